@@ -1,0 +1,218 @@
+"""Measured subprocesses for the calibration benchmark, and the child entries they run.
+
+Each tool runs in its own process so that its wall time includes the cost a user pays (interpreter
+start, imports, model load) and so that its peak RSS is its own: `os.wait4` returns the child's
+rusage, whose ru_maxrss is the high-water mark of that process alone, sampled by the kernel (no
+polling, nothing missed between samples, no psutil dependency).
+
+The child entries (`python -m benchmarks._measure ort-preprocess|ort-quantize|latency ...`) live
+here rather than in calibration.py because that module imports torch (to export the models): a
+child importing it would add torch's ~0.3 GB and seconds of import time to ONNX Runtime's numbers.
+This module imports only the standard library at the top; each entry imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Measured:
+    """Outcome of one measured subprocess. `status` is "ok", "failed: <reason>" or "timeout"."""
+
+    status: str
+    wall_s: float
+    peak_mb: float
+    returncode: int | None
+    log: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log: for a Python traceback that is the exception."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:200] if lines else "no output"
+
+
+def run_measured(cmd: list[str], log: Path, timeout_s: float, cwd: Path | None = None) -> Measured:
+    """Run `cmd`, wait with `os.wait4` for its rusage, kill its whole session on timeout.
+
+    stdout and stderr go to `log` (ORT's calibrator prints a line per tensor; a pipe could fill
+    and block the child). The child gets its own session so a timeout kills any grandchildren too.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
+        deadline = t0 + timeout_s
+        timed_out = False
+        while True:
+            pid, wstatus, rusage = os.wait4(proc.pid, os.WNOHANG)
+            if pid == proc.pid:
+                break
+            if time.perf_counter() > deadline:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, wstatus, rusage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.02)
+        wall = time.perf_counter() - t0
+    rc = os.waitstatus_to_exitcode(wstatus)
+    proc.returncode = rc  # reaped by wait4; tell Popen so it does not try again
+    peak_mb = rusage.ru_maxrss / 1024.0  # Linux reports KiB
+    if timed_out:
+        status = f"timeout after {timeout_s:.0f} s"
+    elif rc != 0:
+        reason = f"signal {-rc}" if rc < 0 else _last_line(log)
+        status = f"failed: {reason}"
+    else:
+        status = "ok"
+    return Measured(status, wall, peak_mb, rc, str(log))
+
+
+# --------------------------------------------------------------------------- child entries
+
+
+def _batches(npz_path: str, batch_size: int) -> list[dict]:
+    """Split the .npz (arrays keyed by input name, leading dim = samples) into batches, the same
+    batch size qtool is given, so both tools run the FP32 model the same number of times."""
+    import numpy as np
+
+    with np.load(npz_path) as data:
+        arrays = {k: data[k] for k in data.files if k != "labels"}
+    n = len(next(iter(arrays.values())))
+    return [{k: v[i : i + batch_size] for k, v in arrays.items()} for i in range(0, n, batch_size)]
+
+
+def _ort_preprocess(args: argparse.Namespace) -> None:
+    """ORT's documented first step before quantize_static (shape inference + graph optimisation);
+    qtool has no equivalent step, so its cost is counted on ORT's side."""
+    from onnxruntime.quantization import quant_pre_process
+
+    quant_pre_process(args.model, args.out)
+
+
+def _ort_quantize(args: argparse.Namespace) -> None:
+    """quantize_static with the settings the benchmark compares against qtool's ort-cpu target:
+    QDQ, uint8 activations, int8 per-channel weights, the same op types."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self, batches: list[dict]) -> None:
+            self._it = iter(batches)
+
+        def get_next(self) -> dict | None:
+            return next(self._it, None)
+
+    method = {"entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    extra = {"CalibPercentile": args.percentile} if args.method == "percentile" else {}
+    quantize_static(
+        args.model,
+        args.out,
+        Reader(_batches(args.data, args.batch_size)),
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=args.op_types.split(","),
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=method[args.method],
+        extra_options=extra,
+    )
+
+
+def _latency(args: argparse.Namespace) -> None:
+    """Batch-1 latency of one model in ORT's CPU provider, plus output fidelity vs the FP32 model
+    on a few calibration samples (cosine, SQNR), which shows a fast model is not a broken one."""
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = args.threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    sess = ort.InferenceSession(args.model, opts, providers=["CPUExecutionProvider"])
+    batches = _batches(args.data, 1)
+    feed = batches[0]
+    for _ in range(args.warmup):
+        sess.run(None, feed)
+    times = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append((time.perf_counter() - t0) * 1e3)
+    result = {
+        "median_ms": float(np.median(times)),
+        "p90_ms": float(np.percentile(times, 90)),
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "threads": args.threads,
+    }
+    if args.reference:
+        ref = ort.InferenceSession(args.reference, opts, providers=["CPUExecutionProvider"])
+        got = np.concatenate([sess.run(None, b)[0].ravel() for b in batches[: args.fidelity]])
+        want = np.concatenate([ref.run(None, b)[0].ravel() for b in batches[: args.fidelity]])
+        got, want = got.astype(np.float64), want.astype(np.float64)
+        err = np.sum((got - want) ** 2)
+        result["cosine_vs_fp32"] = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+        result["sqnr_db_vs_fp32"] = float(10 * np.log10(np.sum(want**2) / err)) if err else None
+        result["fidelity_samples"] = min(args.fidelity, len(batches))
+    Path(args.json).write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._measure")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("ort-preprocess")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=_ort_preprocess)
+    p = sub.add_parser("ort-quantize")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--method", choices=["entropy", "percentile"], required=True)
+    p.add_argument("--percentile", type=float, default=99.99)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--op-types", default="Conv,Gemm,MatMul")
+    p.set_defaults(fn=_ort_quantize)
+    p = sub.add_parser("latency")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--reference", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--fidelity", type=int, default=8)
+    p.set_defaults(fn=_latency)
+    args = parser.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

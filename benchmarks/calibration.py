@@ -1,0 +1,475 @@
+"""Side-by-side calibration benchmark: qtool vs ONNX Runtime's quantizer.
+
+One run measures, on the same exported ONNX models and the same calibration inputs, the wall time
+and peak RSS of `qtool quantize RECIPE` and of `onnxruntime.quantization.quantize_static` (each in
+its own process), then the batch-1 CPU latency of the FP32 model and of both quantized models.
+The point is the ratios: ORT's histogram calibrators keep every activation of every batch in
+memory until the end, qtool's observers stream, so ORT's memory grows with the sample count and
+qtool's should not. See benchmarks/README.md for how to run it and read it.
+
+    python -m benchmarks.calibration --models cnn --samples 8,16 --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks._measure import Measured, run_measured
+from benchmarks.models import BUILDERS, BenchModel, calibration_inputs
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+OP_TYPES = ["Conv", "Gemm", "MatMul"]
+BATCH_SIZE = 16
+PERCENTILE = 99.99
+DATA_SEED = 1234
+
+
+def machine_info() -> dict:
+    """Enough to tell whether two result files are comparable."""
+    import onnx
+    import onnxruntime
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kb = next(
+            int(ln.split()[1])
+            for ln in Path("/proc/meminfo").read_text().splitlines()
+            if ln.startswith("MemTotal")
+        )
+    except (OSError, StopIteration):
+        mem_kb = 0
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gb": round(mem_kb / 1024**2, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def qtool_command() -> list[str]:
+    """The installed `qtool` console script when it sits next to this interpreter (what a user
+    runs), else the same Typer app through `python -c`. The JSON records which one ran."""
+    script = Path(sys.executable).with_name("qtool")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from qtool.cli import app; sys.exit(app())"]
+
+
+def write_calibration_data(model: BenchModel, counts: list[int], work: Path) -> dict[int, Path]:
+    """One seeded draw of max(counts) samples, sliced, so the 64-sample set is the first 64 of
+    the 256-sample set, and both tools read the very same file."""
+    full = calibration_inputs(model, max(counts), DATA_SEED)
+    paths = {}
+    for n in counts:
+        path = work / model.name / f"calib_{n}.npz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **{k: v[:n] for k, v in full.items()})
+        paths[n] = path
+    return paths
+
+
+def write_recipe(model: BenchModel, data: Path, method: str, out_dir: Path) -> Path:
+    """A recipe per run, following the schema in qtool/recipe.py, with absolute paths."""
+    inputs = {
+        name: list(shape) if dtype == "float32" else {"shape": list(shape), "dtype": dtype}
+        for name, (shape, dtype) in model.inputs.items()
+    }
+    calibration: dict = {"data": {"npz": str(data)}, "batch_size": BATCH_SIZE, "method": method}
+    if method == "percentile":
+        calibration["percentile"] = PERCENTILE
+    recipe = {
+        "seed": 0,
+        "model": {"onnx": str(model.onnx_path)},
+        "inputs": inputs,
+        "calibration": calibration,
+        "quantization": {"target": "ort-cpu", "per_channel": True, "op_types": OP_TYPES},
+        "output": {"dir": str(out_dir / "qtool")},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _child(*args: str) -> list[str]:
+    return [sys.executable, "-m", "benchmarks._measure", *args]
+
+
+def _expect_file(m: Measured, path: Path) -> Measured:
+    """A zero exit without the output file is a failure too."""
+    if m.ok and not path.exists():
+        m.status = f"failed: exited 0 but wrote no {path.name}"
+    return m
+
+
+def run_qtool(model: BenchModel, data: Path, method: str, run_dir: Path, timeout: float) -> dict:
+    recipe = write_recipe(model, data, method, run_dir)
+    cmd = [*qtool_command(), "quantize", str(recipe)]
+    m = run_measured(cmd, run_dir / "qtool.log", timeout, cwd=REPO)
+    out = run_dir / "qtool" / "model.int8.onnx"
+    return {**_expect_file(m, out).to_dict(), "cmd": cmd, "model_out": str(out)}
+
+
+def run_ort_preprocess(model: BenchModel, work: Path, timeout: float) -> tuple[Measured, Path]:
+    out = work / model.name / "ort_preprocessed.onnx"
+    cmd = _child("ort-preprocess", "--model", str(model.onnx_path), "--out", str(out))
+    m = run_measured(cmd, work / model.name / "ort_preprocess.log", timeout, cwd=REPO)
+    return _expect_file(m, out), out
+
+
+def run_ort(
+    pre: Measured, pre_model: Path, data: Path, method: str, run_dir: Path, timeout: float
+) -> dict:
+    """ORT's time is pre-processing + quantize_static, its peak the larger of the two processes:
+    quant_pre_process is a step ORT's docs require and qtool does not have."""
+    out = run_dir / "ort.onnx"
+    if not pre.ok:
+        return {"status": f"pre-process {pre.status}", "preprocess": pre.to_dict()}
+    cmd = _child(
+        "ort-quantize",
+        "--model",
+        str(pre_model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--method",
+        method,
+        "--percentile",
+        str(PERCENTILE),
+        "--batch-size",
+        str(BATCH_SIZE),
+        "--op-types",
+        ",".join(OP_TYPES),
+    )
+    q = _expect_file(run_measured(cmd, run_dir / "ort.log", timeout, cwd=REPO), out)
+    return {
+        "status": q.status,
+        "wall_s": pre.wall_s + q.wall_s,
+        "peak_mb": max(pre.peak_mb, q.peak_mb),
+        "preprocess": pre.to_dict(),
+        "quantize": {**q.to_dict(), "cmd": cmd},
+        "model_out": str(out),
+    }
+
+
+def measure_latency(
+    path: Path,
+    reference: Path | None,
+    data: Path,
+    log_dir: Path,
+    tag: str,
+    timeout: float,
+    threads: int,
+    runs: int,
+) -> dict:
+    """Latency runs in a child too, so a quantized model that crashes ORT is a row, not an
+    abort."""
+    out = log_dir / f"latency_{tag}.json"
+    cmd = _child(
+        "latency",
+        "--model",
+        str(path),
+        "--data",
+        str(data),
+        "--json",
+        str(out),
+        "--threads",
+        str(threads),
+        "--runs",
+        str(runs),
+    )
+    if reference is not None:
+        cmd += ["--reference", str(reference)]
+    m = _expect_file(run_measured(cmd, log_dir / f"latency_{tag}.log", timeout, cwd=REPO), out)
+    result = {"status": m.status, "path": str(path)}
+    if m.ok:
+        result.update(json.loads(out.read_text()))
+    return result
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
+
+
+def add_ratios(row: dict) -> None:
+    q, o = row["qtool"], row["ort"]
+    both = q.get("status") == "ok" and o.get("status") == "ok"
+    row["time_ratio_ort_over_qtool"] = _ratio(o["wall_s"], q["wall_s"]) if both else None
+    row["memory_ratio_ort_over_qtool"] = _ratio(o["peak_mb"], q["peak_mb"]) if both else None
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _cell(side: dict, key: str, fmt: str) -> str:
+    """A number, or the first word of a failure; the full reason is listed under the table."""
+    if not side:
+        return "-"
+    status = side.get("status", "skipped")
+    if status != "ok":
+        return f"[red]{status.split(':')[0].split(' ')[0]}[/red]"
+    return fmt.format(side[key])
+
+
+def _rcell(x: float | None) -> str:
+    return "-" if x is None else f"[bold]{x:.2f}x[/bold]"
+
+
+def print_tables(console: Console, report: dict) -> None:
+    t = Table(title="Calibrate + quantize: qtool vs ONNX Runtime (ORT time includes pre-process)")
+    for col in (
+        "model",
+        "method",
+        "samples",
+        "qtool s",
+        "ORT s",
+        "ORT/qtool time",
+        "qtool peak MB",
+        "ORT peak MB",
+        "ORT/qtool mem",
+    ):
+        t.add_column(col, justify="left" if col in ("model", "method") else "right")
+    for r in report["runs"]:
+        t.add_row(
+            r["model"],
+            r["method"],
+            str(r["samples"]),
+            _cell(r["qtool"], "wall_s", "{:.1f}"),
+            _cell(r["ort"], "wall_s", "{:.1f}"),
+            _rcell(r["time_ratio_ort_over_qtool"]),
+            _cell(r["qtool"], "peak_mb", "{:.0f}"),
+            _cell(r["ort"], "peak_mb", "{:.0f}"),
+            _rcell(r["memory_ratio_ort_over_qtool"]),
+        )
+    console.print(t)
+    for name, info in report["models"].items():
+        pre = info.get("ort_preprocess")
+        if pre and pre["status"] == "ok":
+            console.print(
+                f"  {name}: ORT quant_pre_process {pre['wall_s']:.1f} s, "
+                f"{pre['peak_mb']:.0f} MB (in every ORT row; per-step numbers in JSON)"
+            )
+    notes = [
+        f"  {r['model']} {r['method']} {r['samples']} {tool}: {r[tool]['status']}"
+        for r in report["runs"]
+        for tool in ("qtool", "ort")
+        if r[tool] and r[tool].get("status") != "ok"
+    ]
+    notes += [
+        f"  latency {r['model']} {r['variant']}: {r['status']}"
+        for r in report["latency"]
+        if r["status"] != "ok"
+    ]
+    if notes:
+        console.print("[red]Failures (logs under the work folder):[/red]")
+        for line in notes:
+            console.print(line, markup=False)
+    if not report["latency"]:
+        return
+    lt = Table(title="ORT CPU latency, batch 1 (lower is better; speedup = FP32 / model)")
+    for col in (
+        "model",
+        "variant",
+        "from",
+        "median ms",
+        "p90 ms",
+        "speedup vs FP32",
+        "cosine vs FP32",
+        "SQNR dB",
+    ):
+        lt.add_column(col, justify="left" if col in ("model", "variant", "from") else "right")
+    for r in report["latency"]:
+        fid = r.get("cosine_vs_fp32")
+        sq = r.get("sqnr_db_vs_fp32")
+        lt.add_row(
+            r["model"],
+            r["variant"],
+            r.get("source", "-"),
+            _cell(r, "median_ms", "{:.2f}"),
+            _cell(r, "p90_ms", "{:.2f}"),
+            _rcell(r.get("speedup_vs_fp32")),
+            "-" if fid is None else f"{fid:.4f}",
+            "-" if sq is None else f"{sq:.1f}",
+        )
+    console.print(lt)
+
+
+def save_json(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _csv(kind: type, choices: set | None = None):
+    def parse(text: str) -> list:
+        items = [kind(x) for x in text.split(",") if x]
+        if not items or (choices and not set(items) <= choices):
+            raise argparse.ArgumentTypeError(f"expected a comma list from {sorted(choices or [])}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.calibration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", type=_csv(str, set(BUILDERS)), default=["cnn", "bert"])
+    p.add_argument("--samples", type=_csv(int), default=[64, 256])
+    p.add_argument(
+        "--methods", type=_csv(str, {"entropy", "percentile"}), default=["entropy", "percentile"]
+    )
+    p.add_argument("--small", action="store_true", help="ResNet-18 at 112x112 instead of 224")
+    p.add_argument("--skip-ort", action="store_true", help="run only qtool")
+    p.add_argument("--skip-qtool", action="store_true", help="run only ONNX Runtime")
+    p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
+    p.add_argument("--latency-runs", type=int, default=50)
+    p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads for latency")
+    p.add_argument("--json", type=Path, default=RESULTS / "calibration.json")
+    p.add_argument("--work", type=Path, default=RESULTS, help="models, data, logs, outputs")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console.width = 140  # piped into a log: do not wrap the tables at 80 columns
+    work = args.work.resolve()
+    samples = sorted(set(args.samples))
+    report: dict = {
+        "machine": machine_info(),
+        "settings": {
+            "models": args.models,
+            "samples": samples,
+            "methods": args.methods,
+            "small": args.small,
+            "batch_size": BATCH_SIZE,
+            "percentile": PERCENTILE,
+            "op_types": OP_TYPES,
+            "data_seed": DATA_SEED,
+            "timeout_s": args.timeout,
+            "latency": {"threads": args.threads, "runs": args.latency_runs, "batch": 1},
+            "qtool_cmd": None if args.skip_qtool else qtool_command(),
+            "ort": "quant_pre_process + quantize_static(QDQ, QUInt8 activations, QInt8 "
+            "per-channel weights, same op types)",
+        },
+        "models": {},
+        "runs": [],
+        "latency": [],
+    }
+    for name in args.models:
+        with console.status(f"exporting {name}"):
+            model = BUILDERS[name](work / "models", args.small)
+        data = write_calibration_data(model, samples, work / "runs")
+        report["models"][name] = {
+            "onnx": str(model.onnx_path),
+            "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in model.inputs.items()},
+        }
+        pre, pre_model = (None, None)
+        if not args.skip_ort:
+            with console.status(f"{name}: ORT quant_pre_process"):
+                pre, pre_model = run_ort_preprocess(model, work / "runs", args.timeout)
+            report["models"][name]["ort_preprocess"] = pre.to_dict()
+        for n in samples:
+            for method in args.methods:
+                run_dir = work / "runs" / name / f"{method}_{n}"
+                row: dict = {"model": name, "method": method, "samples": n, "qtool": {}, "ort": {}}
+                if not args.skip_qtool:
+                    with console.status(f"{name} {method} {n}: qtool"):
+                        row["qtool"] = run_qtool(model, data[n], method, run_dir, args.timeout)
+                if not args.skip_ort:
+                    with console.status(f"{name} {method} {n}: ORT"):
+                        row["ort"] = run_ort(pre, pre_model, data[n], method, run_dir, args.timeout)
+                add_ratios(row)
+                report["runs"].append(row)
+                save_json(report, args.json)
+                console.log(
+                    f"{name} {method} {n}: qtool {row['qtool'].get('status', '-')}, "
+                    f"ORT {row['ort'].get('status', '-')}"
+                )
+        if not args.skip_latency:
+            report["latency"] += latency_rows(model, report["runs"], data, work, args)
+            save_json(report, args.json)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    save_json(report, args.json)
+    print_tables(console, report)
+    console.print(f"JSON: {args.json}")
+    return 0
+
+
+def latency_rows(
+    model: BenchModel, runs: list[dict], data: dict[int, Path], work: Path, args: argparse.Namespace
+) -> list[dict]:
+    """FP32, ORT's and qtool's models from the entropy/64 run (or the first method and the
+    smallest sample count when those were not run)."""
+    method = "entropy" if "entropy" in args.methods else args.methods[0]
+    n = 64 if 64 in data else min(data)
+    row = next(
+        r for r in runs if r["model"] == model.name and r["method"] == method and r["samples"] == n
+    )
+    log_dir = work / "runs" / model.name
+    variants = [("fp32", "-", {"status": "ok", "model_out": str(model.onnx_path)})]
+    for tool in ("ort", "qtool"):
+        if row[tool]:
+            variants.append((tool, f"{method}/{n}", row[tool]))
+    out = []
+    fp32_ms = None
+    for variant, source, run in variants:
+        res: dict = {"model": model.name, "variant": variant, "source": source}
+        if run.get("status") != "ok":
+            res["status"] = f"no model ({run.get('status')})"
+        else:
+            ref = None if variant == "fp32" else model.onnx_path
+            res.update(
+                measure_latency(
+                    Path(run["model_out"]),
+                    ref,
+                    data[n],
+                    log_dir,
+                    f"{variant}",
+                    args.timeout,
+                    args.threads,
+                    args.latency_runs,
+                )
+            )
+        if variant == "fp32" and res["status"] == "ok":
+            fp32_ms = res["median_ms"]
+        ok = res["status"] == "ok"
+        res["speedup_vs_fp32"] = _ratio(fp32_ms, res["median_ms"]) if ok else None
+        out.append(res)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

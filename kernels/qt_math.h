@@ -1,0 +1,196 @@
+// Element-wise and per-candidate statistics math shared by the CPU and CUDA backends.
+//
+// Every formula that decides a number lives here, once, as a QT_HD inline function: the C++
+// backend calls it in plain loops, the CUDA backend calls it per thread and only adds the
+// reductions. That is why the CPU tests (which run everywhere) check the same math the GPU runs;
+// the GPU tests then only have to check the reductions.
+//
+// Floating point: bin indices are computed in double from the float input, both compilers are run
+// with FMA contraction off, so CPU and GPU histograms are bit-identical.
+#ifndef QTOOL_QT_MATH_H
+#define QTOOL_QT_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define QT_HD __host__ __device__
+#else
+#define QT_HD
+#endif
+
+// Floor for the reference probability Q in KL(P||Q): Q is zero where P has mass only when the
+// folded outliers land on an empty last bin (or the kept range is empty); the floor turns that
+// into a large finite penalty instead of an infinite divergence.
+#define QT_KL_EPS 1e-10
+
+// True for finite values. `v - v` is NaN for NaN and +-Inf and exactly 0 otherwise; this avoids
+// the host/device differences of isfinite() overloads (valid as long as no -ffast-math is used).
+QT_HD inline bool qt_isfinite(float v) { return (v - v) == 0.0f; }
+
+// ---------------------------------------------------------------------------------------------
+// min / max
+// ---------------------------------------------------------------------------------------------
+
+// Accumulator for min/max that skips non-finite values and counts them.
+struct QtMinMax {
+  float mn;
+  float mx;
+  int64_t nonfinite;
+  int64_t finite;
+};
+
+QT_HD inline QtMinMax qt_minmax_init() {
+  QtMinMax a;
+  a.mn = INFINITY;
+  a.mx = -INFINITY;
+  a.nonfinite = 0;
+  a.finite = 0;
+  return a;
+}
+
+QT_HD inline void qt_minmax_update(QtMinMax& a, float v) {
+  if (qt_isfinite(v)) {
+    a.mn = v < a.mn ? v : a.mn;
+    a.mx = v > a.mx ? v : a.mx;
+    a.finite += 1;
+  } else {
+    a.nonfinite += 1;
+  }
+}
+
+QT_HD inline void qt_minmax_merge(QtMinMax& a, const QtMinMax& b) {
+  a.mn = b.mn < a.mn ? b.mn : a.mn;
+  a.mx = b.mx > a.mx ? b.mx : a.mx;
+  a.nonfinite += b.nonfinite;
+  a.finite += b.finite;
+}
+
+// Writes NaN for both ends when no finite value was seen: a range cannot be derived from it and
+// the caller decides whether that is an error (it knows the tensor name).
+QT_HD inline void qt_minmax_finish(const QtMinMax& a, float* out_min, float* out_max) {
+  if (a.finite == 0) {
+    *out_min = NAN;
+    *out_max = NAN;
+  } else {
+    *out_min = a.mn;
+    *out_max = a.mx;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// histogram over [-R, R]
+// ---------------------------------------------------------------------------------------------
+
+// Bins per unit of value. Computed once by the host for both backends.
+QT_HD inline double qt_hist_scale(int64_t nbins, float half_range) {
+  return (double)nbins / (2.0 * (double)half_range);
+}
+
+// Bin of value v in a histogram of nbins uniform bins over [-R, R]; values outside the range fall
+// into the edge bins (the observer grows its range separately, clamping keeps mass accounted for).
+// Returns -1 for non-finite values, which are not counted.
+QT_HD inline int64_t qt_hist_bin(float v, float half_range, double scale, int64_t nbins) {
+  if (!qt_isfinite(v)) return -1;
+  double t = ((double)v + (double)half_range) * scale;
+  if (t < 0.0) return 0;
+  if (t >= (double)nbins) return nbins - 1;
+  return (int64_t)t;  // t >= 0: truncation is floor
+}
+
+// ---------------------------------------------------------------------------------------------
+// KL-divergence threshold search (TensorRT entropy calibration)
+// ---------------------------------------------------------------------------------------------
+// Input: a histogram of |x| with nbins uniform bins starting at 0, and num_levels (128 for int8).
+// For each candidate i in [num_levels, nbins]:
+//   P = hist[0:i] with the outlier mass sum(hist[i:]) added to P[i-1]           (sums to total)
+//   Q: bins 0..i-1 split into num_levels groups, bin j in group floor(j*L/i) (sizes differ by at
+//      most one); each group's mass is spread evenly over its nonzero bins of hist[0:i]; zero
+//      bins stay zero                                                          (sums to sum(hist[:i]))
+//   KL(P||Q) = sum_{P_j > 0} p_j log(p_j / max(q_j, QT_KL_EPS)) with p, q normalised.
+// The best candidate is the smallest divergence, the smallest i on ties.
+// prefix[k] = sum(hist[:k]) and prefix_nz[k] = count_nonzero(hist[:k]) (k = 0..nbins) make every
+// term O(1), so backends can parallelise over bins and candidates freely.
+
+QT_HD inline int64_t qt_kl_group(int64_t j, int64_t i, int64_t num_levels) {
+  return (j * num_levels) / i;
+}
+
+QT_HD inline int64_t qt_kl_group_start(int64_t g, int64_t i, int64_t num_levels) {
+  return (g * i + num_levels - 1) / num_levels;  // ceil(g * i / L)
+}
+
+// Term of bin j (j < i) of KL(P||Q) for candidate i.
+QT_HD inline double qt_kl_term(const int64_t* hist, const int64_t* prefix, const int64_t* prefix_nz,
+                               int64_t nbins, int64_t j, int64_t i, int64_t num_levels) {
+  const int64_t total = prefix[nbins];
+  const int64_t h = hist[j];
+  int64_t pc = h;
+  if (j == i - 1) pc += total - prefix[i];
+  if (pc <= 0) return 0.0;
+  const double p = (double)pc / (double)total;
+  double q = 0.0;
+  if (h > 0) {
+    const int64_t g = qt_kl_group(j, i, num_levels);
+    const int64_t s = qt_kl_group_start(g, i, num_levels);
+    const int64_t e = qt_kl_group_start(g + 1, i, num_levels);
+    const int64_t gsum = prefix[e] - prefix[s];
+    const int64_t gnz = prefix_nz[e] - prefix_nz[s];
+    q = ((double)gsum / (double)gnz) / (double)prefix[i];
+  }
+  if (q < QT_KL_EPS) q = QT_KL_EPS;
+  return p * log(p / q);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MSE threshold search on a one-sided histogram
+// ---------------------------------------------------------------------------------------------
+// Bin j covers [j, j+1) in bin units and is represented by its centre j + 0.5. For a threshold
+// t (an integer bin edge, 1..nbins) quantization is uniform with num_steps steps over [0, t]:
+// values above t clip to t, others round to the nearest multiple of t / num_steps.
+
+// Squared error of bin j's centre at threshold t, weighted by the bin count.
+QT_HD inline double qt_mse_term(int64_t count, int64_t j, int64_t t, int64_t num_steps) {
+  if (count == 0) return 0.0;
+  const double c = (double)j + 0.5;
+  double d;
+  if (c >= (double)t) {
+    d = c - (double)t;
+  } else {
+    const double step = (double)t / (double)num_steps;
+    const double q = floor(c / step + 0.5) * step;
+    d = c - q;
+  }
+  return (double)count * d * d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// shared helpers
+// ---------------------------------------------------------------------------------------------
+
+// Argmin order: smaller value first, then smaller index, so every reduction order picks the same
+// candidate.
+QT_HD inline bool qt_better(double a, int64_t ia, double b, int64_t ib) {
+  return a < b || (a == b && ia < ib);
+}
+
+// Fractional bin position x such that percentile% of the histogram mass lies below x, assuming
+// mass is spread uniformly inside each bin. Requires a positive total and 0 < percentile <= 100.
+QT_HD inline double qt_percentile_position(const int64_t* hist, int64_t nbins, double percentile) {
+  int64_t total = 0;
+  for (int64_t j = 0; j < nbins; ++j) total += hist[j];
+  const double target = (double)total * (percentile / 100.0);
+  int64_t cum = 0;
+  for (int64_t j = 0; j < nbins; ++j) {
+    const int64_t next = cum + hist[j];
+    if ((double)next >= target && hist[j] > 0) {
+      double frac = (target - (double)cum) / (double)hist[j];
+      frac = frac < 0.0 ? 0.0 : (frac > 1.0 ? 1.0 : frac);
+      return (double)j + frac;
+    }
+    cum = next;
+  }
+  return (double)nbins;
+}
+
+#endif  // QTOOL_QT_MATH_H

@@ -1,0 +1,77 @@
+// Plain C interface of the qtool statistics kernels.
+//
+// A C ABI (pointers, sizes, a stream handle) lets Python drive both libraries through ctypes, so
+// building and loading needs neither torch, CuPy nor pybind. Every function returns a status
+// code (QT_OK on success) and writes results through pointers.
+//
+// libqtool_cpu.so exports qt_cpu_*; pointers are host pointers.
+// libqtool_cuda.so exports qt_cuda_*; data pointers are device pointers (allocate with
+// qt_cuda_malloc), `stream` is a cudaStream_t or NULL for the default stream; results are ready
+// after qt_cuda_stream_sync(stream).
+#ifndef QTOOL_KERNELS_H
+#define QTOOL_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define QT_ABI_VERSION 1
+
+#define QT_OK 0
+#define QT_ERR_EMPTY 1       /* zero elements / zero channels */
+#define QT_ERR_BAD_ARG 2     /* nbins < 1, num_levels < 1, half_range <= 0, percentile range */
+#define QT_ERR_NO_COUNTS 3   /* histogram sums to zero (or has a negative count) */
+#define QT_ERR_CUDA_BASE 1000 /* QT_ERR_CUDA_BASE + cudaError_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- libqtool_cpu.so ---- */
+int qt_cpu_abi_version(void);
+const char* qt_cpu_status_string(int status);
+int qt_cpu_tensor_minmax(const float* x, int64_t n, float* out_min, float* out_max,
+                         int64_t* out_nonfinite);
+int qt_cpu_channel_minmax(const float* x, int64_t channels, int64_t inner, float* out_min,
+                          float* out_max);
+int qt_cpu_histogram_accumulate(const float* x, int64_t n, float half_range, int64_t* counts,
+                                int64_t nbins);
+/* out: nbins - num_levels + 1 divergences, candidate i = num_levels + k */
+int qt_cpu_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out);
+int qt_cpu_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,
+                        int64_t* out_bins);
+int qt_cpu_percentile_bin(const int64_t* hist, int64_t nbins, double percentile,
+                          double* out_position);
+/* out: nbins mean squared errors, candidate t = k + 1 */
+int qt_cpu_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, double* out);
+int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
+                         double* out_bins);
+
+/* ---- libqtool_cuda.so ---- */
+int qt_cuda_abi_version(void);
+const char* qt_cuda_status_string(int status);
+int qt_cuda_device_count(int* out_count);
+int qt_cuda_malloc(void** out_ptr, size_t bytes);
+int qt_cuda_free(void* ptr);
+int qt_cuda_memcpy_h2d(void* dst, const void* src, size_t bytes, void* stream);
+int qt_cuda_memcpy_d2h(void* dst, const void* src, size_t bytes, void* stream);
+int qt_cuda_stream_sync(void* stream);
+int qt_cuda_tensor_minmax(const float* x, int64_t n, float* out_min, float* out_max,
+                          int64_t* out_nonfinite, void* stream);
+int qt_cuda_channel_minmax(const float* x, int64_t channels, int64_t inner, float* out_min,
+                           float* out_max, void* stream);
+int qt_cuda_histogram_accumulate(const float* x, int64_t n, float half_range, int64_t* counts,
+                                 int64_t nbins, void* stream);
+int qt_cuda_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out,
+                           void* stream);
+int qt_cuda_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,
+                         int64_t* out_bins, void* stream);
+int qt_cuda_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, double* out,
+                       void* stream);
+int qt_cuda_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
+                          double* out_bins, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  /* QTOOL_KERNELS_H */

@@ -1,0 +1,1 @@
+"""Calibration: stream data through the float model and keep bounded-size statistics per tensor."""

@@ -1,0 +1,74 @@
+"""Range methods: turn one tensor's statistics into the [low, high] its quantizer will cover.
+
+Symmetric (int8, TensorRT) ranges search a threshold T on the histogram of |x| with 128 levels and
+return [-T, T]. Asymmetric (uint8, ORT CPU) ranges search a non-negative tensor's positive half
+with all 256 levels (after Relu every level is useful), and for signed tensors clip each side at
+the searched T (entropy, MSE) or at the two tail percentiles (percentile). Every range contains 0,
+as the QDQ zero point requires.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qtool import kernels
+from qtool.calibration.observers import TensorStats
+from qtool.errors import CalibrationError
+
+
+def _one_sided(stats: TensorStats, absolute: bool) -> tuple[np.ndarray, float]:
+    """Histogram over [0, R] (of |x|, or of the positive half), trimmed to the data's extent."""
+    half = len(stats.counts) // 2
+    positive = stats.counts[half:]
+    hist = positive + stats.counts[:half][::-1] if absolute else positive.copy()
+    width = stats.bin_width
+    extent = max(abs(stats.minimum), abs(stats.maximum)) if absolute else max(stats.maximum, 0.0)
+    used = int(np.ceil(extent / width)) if extent > 0 else 1
+    used = min(max(used, 1), half)
+    return hist[:used].astype(np.int64), width
+
+
+def _search(method: str, hist: np.ndarray, levels: int, percentile: float, device: str) -> float:
+    """Threshold in bins for one-sided `hist` with `levels` quantization levels."""
+    if hist.sum() == 0:
+        return float(len(hist))
+    if method == "entropy":
+        return float(kernels.kl_threshold_bins(hist, num_levels=levels, device=device))
+    if method == "percentile":
+        return float(kernels.percentile_bin(hist, percentile))
+    if method == "mse":
+        return float(kernels.mse_threshold_bins(hist, num_steps=levels - 1, device=device))
+    raise CalibrationError(f"unknown range method {method!r}")
+
+
+def compute_range(
+    stats: TensorStats,
+    method: str,
+    symmetric: bool,
+    percentile: float = 99.99,
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """[low, high] for one activation tensor; low <= 0 <= high."""
+    low, high = min(stats.minimum, 0.0), max(stats.maximum, 0.0)
+    if method == "percentile" and percentile >= 100.0:
+        method = "minmax"  # the 100th percentile is the extreme value itself
+    if method == "minmax":
+        if symmetric:
+            bound = max(-low, high)
+            return -bound, bound
+        return low, high
+    if symmetric:
+        hist, width = _one_sided(stats, absolute=True)
+        threshold = min(_search(method, hist, 128, percentile, device) * width, max(-low, high))
+        return -threshold, threshold
+    if stats.minimum >= 0.0:
+        hist, width = _one_sided(stats, absolute=False)
+        return 0.0, min(_search(method, hist, 256, percentile, device) * width, high)
+    if method == "percentile":
+        width = stats.bin_width
+        lower = -stats.half_range + kernels.percentile_bin(stats.counts, 100.0 - percentile) * width
+        upper = -stats.half_range + kernels.percentile_bin(stats.counts, percentile) * width
+        return max(min(lower, 0.0), low), min(max(upper, 0.0), high)
+    hist, width = _one_sided(stats, absolute=True)
+    threshold = _search(method, hist, 128, percentile, device) * width
+    return max(low, -threshold), min(high, threshold)

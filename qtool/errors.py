@@ -1,0 +1,32 @@
+"""Error types.
+
+Every failure a user can cause (bad recipe, missing file, wrong shape, NaN in data) is raised as a
+`QtoolError` subclass with a one-line message that names the file, field or tensor at fault. The
+CLI prints that line and exits with code 2; anything else is a bug and keeps its traceback.
+"""
+
+
+class QtoolError(Exception):
+    """A user-facing error: one line, names what is wrong, CLI exit code 2."""
+
+    exit_code = 2
+
+
+class RecipeError(QtoolError):
+    """The recipe YAML is malformed, has unknown keys, wrong types or bad values."""
+
+
+class ModelError(QtoolError):
+    """The model cannot be loaded, exported or does not match the declared inputs."""
+
+
+class DataError(QtoolError):
+    """Calibration or evaluation data is missing, malformed, or contains NaN/Inf."""
+
+
+class KernelError(QtoolError):
+    """A compiled kernel library is missing or a kernel rejected its arguments."""
+
+
+class CalibrationError(QtoolError):
+    """Statistics cannot be collected or the stats file does not match the model."""

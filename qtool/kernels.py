@@ -1,0 +1,438 @@
+"""Statistics kernels: numpy in, numpy out, computed by the compiled libraries in qtool/_lib/.
+
+The libraries are built at install time (see setup.py) and loaded with ctypes on first use, so
+importing qtool never needs a compiler, torch or CuPy. `device="cpu"` runs libqtool_cpu.so;
+`device="cuda"` copies the inputs to the GPU, runs libqtool_cuda.so and copies results back.
+Both backends share the math header kernels/qt_math.h, so they agree bit for bit on histograms,
+min/max and chosen thresholds (up to floating-point summation order in the searches).
+
+A missing CPU library is an error (reinstall), never a silent numpy fallback: calibration
+results must come from one implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qtool.errors import KernelError
+
+LIB_DIR = Path(__file__).resolve().parent / "_lib"
+CPU_LIB = LIB_DIR / "libqtool_cpu.so"
+CUDA_LIB = LIB_DIR / "libqtool_cuda.so"
+BUILD_INFO = LIB_DIR / "build_info.json"
+
+_ABI_VERSION = 1
+_OK = 0
+_STATUS = {
+    1: "empty input",
+    2: "invalid argument",
+    3: "histogram has no counts or a negative count",
+}
+
+_i64 = ctypes.c_int64
+_f32p = ctypes.POINTER(ctypes.c_float)
+_f64p = ctypes.POINTER(ctypes.c_double)
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_vp = ctypes.c_void_p
+
+# name: argtypes (all functions return int status)
+_CPU_SIGNATURES: dict[str, list[Any]] = {
+    "qt_cpu_abi_version": [],
+    "qt_cpu_tensor_minmax": [_f32p, _i64, _f32p, _f32p, _i64p],
+    "qt_cpu_channel_minmax": [_f32p, _i64, _i64, _f32p, _f32p],
+    "qt_cpu_histogram_accumulate": [_f32p, _i64, ctypes.c_float, _i64p, _i64],
+    "qt_cpu_kl_divergences": [_i64p, _i64, _i64, _f64p],
+    "qt_cpu_kl_threshold": [_i64p, _i64, _i64, _i64p],
+    "qt_cpu_percentile_bin": [_i64p, _i64, ctypes.c_double, _f64p],
+    "qt_cpu_mse_errors": [_i64p, _i64, _i64, _f64p],
+    "qt_cpu_mse_threshold": [_i64p, _i64, _i64, _f64p],
+}
+# CUDA data pointers are device addresses, passed as void*.
+_CUDA_SIGNATURES: dict[str, list[Any]] = {
+    "qt_cuda_abi_version": [],
+    "qt_cuda_device_count": [ctypes.POINTER(ctypes.c_int)],
+    "qt_cuda_malloc": [ctypes.POINTER(_vp), ctypes.c_size_t],
+    "qt_cuda_free": [_vp],
+    "qt_cuda_memcpy_h2d": [_vp, _vp, ctypes.c_size_t, _vp],
+    "qt_cuda_memcpy_d2h": [_vp, _vp, ctypes.c_size_t, _vp],
+    "qt_cuda_stream_sync": [_vp],
+    "qt_cuda_tensor_minmax": [_vp, _i64, _vp, _vp, _vp, _vp],
+    "qt_cuda_channel_minmax": [_vp, _i64, _i64, _vp, _vp, _vp],
+    "qt_cuda_histogram_accumulate": [_vp, _i64, ctypes.c_float, _vp, _i64, _vp],
+    "qt_cuda_kl_divergences": [_vp, _i64, _i64, _vp, _vp],
+    "qt_cuda_kl_threshold": [_vp, _i64, _i64, _vp, _vp],
+    "qt_cuda_mse_errors": [_vp, _i64, _i64, _vp, _vp],
+    "qt_cuda_mse_threshold": [_vp, _i64, _i64, _vp, _vp],
+}
+
+_lock = threading.Lock()
+_cpu: ctypes.CDLL | None = None
+_cuda: ctypes.CDLL | None = None
+_cuda_state: str | None = None  # backends() text for cuda once probed
+
+
+def _bind(lib: ctypes.CDLL, signatures: dict[str, list[Any]], status_fn: str) -> None:
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    getattr(lib, status_fn).argtypes = [ctypes.c_int]
+    getattr(lib, status_fn).restype = ctypes.c_char_p
+
+
+def _build_info() -> dict[str, Any]:
+    try:
+        return json.loads(BUILD_INFO.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _load_cpu() -> ctypes.CDLL:
+    global _cpu
+    with _lock:
+        if _cpu is None:
+            if not CPU_LIB.is_file():
+                raise KernelError(
+                    f"CPU kernel library {CPU_LIB} is missing: reinstall qtool "
+                    "(`pip install .` or `pip install -e .`, needs g++)"
+                )
+            try:
+                lib = ctypes.CDLL(str(CPU_LIB))
+                _bind(lib, _CPU_SIGNATURES, "qt_cpu_status_string")
+            except (OSError, AttributeError) as exc:
+                raise KernelError(f"cannot load {CPU_LIB}: {exc}; reinstall qtool") from exc
+            if lib.qt_cpu_abi_version() != _ABI_VERSION:
+                raise KernelError(f"{CPU_LIB} has an outdated interface: reinstall qtool")
+            _cpu = lib
+        return _cpu
+
+
+def _probe_cuda() -> tuple[ctypes.CDLL | None, str]:
+    """Load the CUDA library once; report why it is unusable instead of raising."""
+    global _cuda, _cuda_state
+    with _lock:
+        if _cuda_state is not None:
+            return _cuda, _cuda_state
+        if not CUDA_LIB.is_file():
+            reason = _build_info().get("cuda", {}).get("reason", "library missing")
+            _cuda_state = f"not built: {reason}"
+            return None, _cuda_state
+        try:
+            lib = ctypes.CDLL(str(CUDA_LIB))
+            _bind(lib, _CUDA_SIGNATURES, "qt_cuda_status_string")
+        except (OSError, AttributeError) as exc:
+            _cuda_state = f"built, cannot load: {exc}"
+            return None, _cuda_state
+        if lib.qt_cuda_abi_version() != _ABI_VERSION:
+            _cuda_state = "built, outdated interface: reinstall qtool"
+            return None, _cuda_state
+        count = ctypes.c_int(0)
+        if lib.qt_cuda_device_count(ctypes.byref(count)) != _OK or count.value < 1:
+            _cuda_state = "built, no CUDA device visible"
+            return None, _cuda_state
+        _cuda = lib
+        _cuda_state = f"loaded, {count.value} device{'s' if count.value > 1 else ''} ({CUDA_LIB})"
+        return _cuda, _cuda_state
+
+
+def backends() -> dict[str, str]:
+    """State of each backend, for `qtool` diagnostics and the GPU test gate."""
+    try:
+        _load_cpu()
+        cpu = f"loaded ({CPU_LIB})"
+    except KernelError as exc:
+        cpu = f"unavailable: {exc}"
+    return {"cpu": cpu, "cuda": _probe_cuda()[1]}
+
+
+def default_device() -> str:
+    """ "cuda" when the CUDA library loads and sees a device, else "cpu"."""
+    return "cuda" if _probe_cuda()[0] is not None else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# argument handling
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_device(device: str) -> str:
+    if device not in ("cpu", "cuda"):
+        raise KernelError(f"unknown kernel device {device!r}: expected 'cpu' or 'cuda'")
+    return device
+
+
+def _float_data(x: Any, what: str) -> np.ndarray:
+    arr = np.ascontiguousarray(x, dtype=np.float32)
+    if arr.size == 0:
+        raise KernelError(f"{what}: empty tensor (shape {arr.shape})")
+    return arr
+
+
+def _hist_data(hist: Any, what: str, require_counts: bool = True) -> np.ndarray:
+    arr = np.asarray(hist)
+    if arr.ndim != 1 or arr.size < 1:
+        raise KernelError(f"{what}: histogram must be 1-D with nbins >= 1, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        if not np.issubdtype(arr.dtype, np.floating) or not np.all(np.isfinite(arr)):
+            raise KernelError(f"{what}: histogram counts must be finite numbers")
+        if np.any(arr != np.round(arr)):
+            raise KernelError(f"{what}: histogram counts must be whole numbers")
+    out = np.ascontiguousarray(arr, dtype=np.int64)
+    if np.any(out < 0):
+        raise KernelError(f"{what}: histogram has negative counts")
+    if require_counts and not np.any(out > 0):
+        raise KernelError(f"{what}: histogram has no counts")
+    return out
+
+
+def _ptr(arr: np.ndarray, ctype: Any) -> Any:
+    return arr.ctypes.data_as(ctypes.POINTER(ctype))
+
+
+def _check_cpu(status: int, what: str) -> None:
+    if status != _OK:
+        raise KernelError(f"{what}: CPU kernel failed: {_STATUS.get(status, f'status {status}')}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA plumbing (device buffers through the library's own helpers, no CuPy)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_lib() -> ctypes.CDLL:
+    lib, state = _probe_cuda()
+    if lib is None:
+        raise KernelError(f"CUDA kernels unavailable ({state}); use device='cpu'")
+    return lib
+
+
+class _DeviceBuffers:
+    """Device allocations freed together, even when a kernel fails."""
+
+    def __init__(self, lib: ctypes.CDLL, what: str) -> None:
+        self.lib = lib
+        self.what = what
+        self.ptrs: list[int] = []
+
+    def check(self, status: int) -> None:
+        if status != _OK:
+            msg = self.lib.qt_cuda_status_string(status).decode(errors="replace")
+            raise KernelError(f"{self.what}: CUDA kernel failed: {msg}")
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = _vp()
+        self.check(self.lib.qt_cuda_malloc(ctypes.byref(ptr), max(int(nbytes), 1)))
+        self.ptrs.append(ptr.value)
+        return ptr.value
+
+    def upload(self, arr: np.ndarray) -> int:
+        dev = self.alloc(arr.nbytes)
+        self.check(self.lib.qt_cuda_memcpy_h2d(dev, arr.ctypes.data, arr.nbytes, None))
+        return dev
+
+    def download(self, dev: int, out: np.ndarray) -> np.ndarray:
+        self.check(self.lib.qt_cuda_memcpy_d2h(out.ctypes.data, dev, out.nbytes, None))
+        self.check(self.lib.qt_cuda_stream_sync(None))
+        return out
+
+    def __enter__(self) -> _DeviceBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lib.qt_cuda_stream_sync(None)
+        for p in self.ptrs:
+            self.lib.qt_cuda_free(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def tensor_minmax(x: np.ndarray, device: str = "cpu") -> tuple[float, float, int]:
+    """(min, max, count of NaN/Inf); min/max ignore non-finite values and are NaN if none is
+    finite, so the caller can name the offending tensor."""
+    arr = _float_data(x, "tensor_minmax")
+    if _check_device(device) == "cpu":
+        lo, hi, nf = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64)
+        lib = _load_cpu()
+        status = lib.qt_cpu_tensor_minmax(
+            _ptr(arr, ctypes.c_float),
+            arr.size,
+            _ptr(lo, ctypes.c_float),
+            _ptr(hi, ctypes.c_float),
+            _ptr(nf, ctypes.c_int64),
+        )
+        _check_cpu(status, "tensor_minmax")
+        return float(lo[0]), float(hi[0]), int(nf[0])
+    with _DeviceBuffers(_cuda_lib(), "tensor_minmax") as buf:
+        d_x = buf.upload(arr)
+        d_out = buf.alloc(16)  # float min, float max, int64 count
+        buf.check(buf.lib.qt_cuda_tensor_minmax(d_x, arr.size, d_out, d_out + 4, d_out + 8, None))
+        raw = buf.download(d_out, np.zeros(16, np.uint8))
+    lo, hi = raw[:8].view(np.float32)
+    return float(lo), float(hi), int(raw[8:].view(np.int64)[0])
+
+
+def channel_minmax(x: np.ndarray, axis: int, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (min, max) along `axis`, float32 [C] each; non-finite values are ignored and a
+    channel without finite values gets NaN."""
+    arr = np.asarray(x)
+    if arr.ndim < 1:
+        raise KernelError("channel_minmax: tensor must have at least one dimension")
+    if not -arr.ndim <= axis < arr.ndim:
+        raise KernelError(f"channel_minmax: axis {axis} out of range for shape {arr.shape}")
+    channels = arr.shape[axis]
+    rows = _float_data(np.moveaxis(arr, axis, 0).reshape(channels, -1), "channel_minmax")
+    inner = rows.shape[1]
+    lo, hi = np.zeros(channels, np.float32), np.zeros(channels, np.float32)
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_channel_minmax(
+            _ptr(rows, ctypes.c_float),
+            channels,
+            inner,
+            _ptr(lo, ctypes.c_float),
+            _ptr(hi, ctypes.c_float),
+        )
+        _check_cpu(status, "channel_minmax")
+        return lo, hi
+    with _DeviceBuffers(_cuda_lib(), "channel_minmax") as buf:
+        d_x = buf.upload(rows)
+        d_lo, d_hi = buf.alloc(lo.nbytes), buf.alloc(hi.nbytes)
+        buf.check(buf.lib.qt_cuda_channel_minmax(d_x, channels, inner, d_lo, d_hi, None))
+        return buf.download(d_lo, lo), buf.download(d_hi, hi)
+
+
+def histogram_accumulate(
+    x: np.ndarray, half_range: float, counts: np.ndarray, device: str = "cpu"
+) -> None:
+    """Add x to `counts` (int64 [nbins], in place): uniform bins over [-R, R], values outside
+    clamp into the edge bins, NaN/Inf are skipped."""
+    arr = _float_data(x, "histogram_accumulate")
+    if (
+        not isinstance(counts, np.ndarray)
+        or counts.dtype != np.int64
+        or counts.ndim != 1
+        or not counts.flags.c_contiguous
+        or not counts.flags.writeable
+    ):
+        raise KernelError(
+            "histogram_accumulate: counts must be a writeable contiguous int64 1-D array"
+        )
+    if counts.size < 1:
+        raise KernelError("histogram_accumulate: nbins must be >= 1")
+    r = float(np.float32(half_range))
+    if not np.isfinite(r) or r <= 0.0:
+        raise KernelError(
+            f"histogram_accumulate: half_range must be finite and > 0, got {half_range}"
+        )
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_histogram_accumulate(
+            _ptr(arr, ctypes.c_float), arr.size, r, _ptr(counts, ctypes.c_int64), counts.size
+        )
+        _check_cpu(status, "histogram_accumulate")
+        return
+    with _DeviceBuffers(_cuda_lib(), "histogram_accumulate") as buf:
+        d_x, d_counts = buf.upload(arr), buf.upload(counts)
+        n, nbins = arr.size, counts.size
+        buf.check(buf.lib.qt_cuda_histogram_accumulate(d_x, n, r, d_counts, nbins, None))
+        buf.download(d_counts, counts)
+
+
+def _check_levels(value: int, name: str, what: str) -> int:
+    if int(value) != value or int(value) < 1:
+        raise KernelError(f"{what}: {name} must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def kl_divergences(hist: np.ndarray, num_levels: int = 128, device: str = "cpu") -> np.ndarray:
+    """KL(P||Q) for every candidate i = num_levels..nbins (float64 [nbins - num_levels + 1]);
+    exposed for diagnostics, plots and cross-backend tests."""
+    h = _hist_data(hist, "kl_divergences")
+    levels = _check_levels(num_levels, "num_levels", "kl_divergences")
+    if h.size < levels:
+        raise KernelError(f"kl_divergences: nbins {h.size} < num_levels {levels}")
+    out = np.zeros(h.size - levels + 1, np.float64)
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_kl_divergences(
+            _ptr(h, ctypes.c_int64), h.size, levels, _ptr(out, ctypes.c_double)
+        )
+        _check_cpu(status, "kl_divergences")
+        return out
+    with _DeviceBuffers(_cuda_lib(), "kl_divergences") as buf:
+        d_h, d_out = buf.upload(h), buf.alloc(out.nbytes)
+        buf.check(buf.lib.qt_cuda_kl_divergences(d_h, h.size, levels, d_out, None))
+        return buf.download(d_out, out)
+
+
+def kl_threshold_bins(hist: np.ndarray, num_levels: int = 128, device: str = "cpu") -> int:
+    """TensorRT entropy calibration on a histogram of |x| (bin 0 starts at 0): the number of
+    bins i minimising KL(P||Q), threshold = i * bin_width. nbins when nbins <= num_levels."""
+    h = _hist_data(hist, "kl_threshold_bins")
+    levels = _check_levels(num_levels, "num_levels", "kl_threshold_bins")
+    out = np.zeros(1, np.int64)
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_kl_threshold(
+            _ptr(h, ctypes.c_int64), h.size, levels, _ptr(out, ctypes.c_int64)
+        )
+        _check_cpu(status, "kl_threshold_bins")
+        return int(out[0])
+    with _DeviceBuffers(_cuda_lib(), "kl_threshold_bins") as buf:
+        d_h, d_out = buf.upload(h), buf.alloc(out.nbytes)
+        buf.check(buf.lib.qt_cuda_kl_threshold(d_h, h.size, levels, d_out, None))
+        return int(buf.download(d_out, out)[0])
+
+
+def percentile_bin(hist: np.ndarray, percentile: float) -> float:
+    """Fractional bin position with `percentile`% of the mass below it (uniform within bins)."""
+    h = _hist_data(hist, "percentile_bin")
+    p = float(percentile)
+    if not 0.0 < p <= 100.0:
+        raise KernelError(f"percentile_bin: percentile must be in (0, 100], got {percentile}")
+    out = np.zeros(1, np.float64)
+    status = _load_cpu().qt_cpu_percentile_bin(
+        _ptr(h, ctypes.c_int64), h.size, p, _ptr(out, ctypes.c_double)
+    )
+    _check_cpu(status, "percentile_bin")
+    return float(out[0])
+
+
+def mse_errors(hist: np.ndarray, num_steps: int, device: str = "cpu") -> np.ndarray:
+    """Mean squared quantization error for every threshold t = 1..nbins (float64 [nbins])."""
+    h = _hist_data(hist, "mse_errors")
+    steps = _check_levels(num_steps, "num_steps", "mse_errors")
+    out = np.zeros(h.size, np.float64)
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_mse_errors(
+            _ptr(h, ctypes.c_int64), h.size, steps, _ptr(out, ctypes.c_double)
+        )
+        _check_cpu(status, "mse_errors")
+        return out
+    with _DeviceBuffers(_cuda_lib(), "mse_errors") as buf:
+        d_h, d_out = buf.upload(h), buf.alloc(out.nbytes)
+        buf.check(buf.lib.qt_cuda_mse_errors(d_h, h.size, steps, d_out, None))
+        return buf.download(d_out, out)
+
+
+def mse_threshold_bins(hist: np.ndarray, num_steps: int, device: str = "cpu") -> float:
+    """Threshold t (a bin edge, in bin units) minimising the expected squared error of uniform
+    quantization with num_steps steps over [0, t] on a one-sided histogram."""
+    h = _hist_data(hist, "mse_threshold_bins")
+    steps = _check_levels(num_steps, "num_steps", "mse_threshold_bins")
+    out = np.zeros(1, np.float64)
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_mse_threshold(
+            _ptr(h, ctypes.c_int64), h.size, steps, _ptr(out, ctypes.c_double)
+        )
+        _check_cpu(status, "mse_threshold_bins")
+        return float(out[0])
+    with _DeviceBuffers(_cuda_lib(), "mse_threshold_bins") as buf:
+        d_h, d_out = buf.upload(h), buf.alloc(out.nbytes)
+        buf.check(buf.lib.qt_cuda_mse_threshold(d_h, h.size, steps, d_out, None))
+        return float(buf.download(d_out, out)[0])

@@ -1,0 +1,165 @@
+"""Load the FP32 model a recipe names, as an ONNX ModelProto whose inputs match the recipe.
+
+PyTorch models are exported with the TorchScript-based exporter (``dynamo=False``) because it
+names nodes after the module path (``/conv1/Conv``), so recipe overrides can name layers the way
+the model's author knows them; the batch dimension is exported dynamic so calibration and
+evaluation can use any batch size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qtool.errors import ModelError
+from qtool.recipe import InputSpec, ModelSpec
+
+_ONNX_DTYPES = {
+    "float32": onnx.TensorProto.FLOAT,
+    "float16": onnx.TensorProto.FLOAT16,
+    "int64": onnx.TensorProto.INT64,
+    "int32": onnx.TensorProto.INT32,
+    "bool": onnx.TensorProto.BOOL,
+}
+
+
+def load_entry_point(spec: str, what: str):
+    """Import ``/abs/path/file.py:name`` and return the attribute; the file's folder is put on
+    sys.path first so the file can import its neighbours (a model module next to its data module).
+    """
+    file_part, _, name = spec.rpartition(":")
+    path = Path(file_part)
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = f"_qtool_user_{abs(hash(str(path)))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ModelError(f"{path}: cannot import {what}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise ModelError(f"{path}: importing {what} failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(module, name):
+        raise ModelError(f"{path}: has no '{name}' ({what})")
+    return getattr(module, name)
+
+
+def load_model(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    """Return the FP32 model as ONNX, checked against the recipe's declared inputs."""
+    if spec.onnx is not None:
+        try:
+            model = onnx.load(str(spec.onnx))
+        except Exception as exc:
+            raise ModelError(f"{spec.onnx}: not a readable ONNX model ({exc})") from None
+        source = str(spec.onnx)
+    else:
+        model = export_pytorch(spec, inputs)
+        source = spec.pytorch or "pytorch model"
+    check_inputs(model, inputs, source)
+    return model
+
+
+def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    """Build the module from its factory, load the state_dict safely, export to ONNX in memory."""
+    import torch
+
+    factory = load_entry_point(spec.pytorch, "model factory")
+    try:
+        module = factory()
+    except Exception as exc:
+        raise ModelError(f"{spec.pytorch}: factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(f"{spec.pytorch}: factory returned {type(module).__name__}, not nn.Module")
+    if spec.weights is not None:
+        try:
+            state = torch.load(str(spec.weights), map_location="cpu", weights_only=True)
+            module.load_state_dict(state)
+        except Exception as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ModelError(f"{spec.weights}: cannot load weights: {first_line}") from None
+    module.eval()
+    examples = tuple(
+        torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs
+    )
+    names = [i.name for i in inputs]
+    buffer = io.BytesIO()
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe = module(*examples)
+            outputs = probe if isinstance(probe, (tuple, list)) else (probe,)
+            output_names = ["output"] if len(outputs) == 1 else [f"output_{k}" for k in range(len(outputs))]
+            dynamic = {n: {0: "batch"} for n in names + output_names}
+            torch.onnx.export(
+                module,
+                examples,
+                buffer,
+                input_names=names,
+                output_names=output_names,
+                opset_version=spec.opset,
+                dynamo=False,
+                dynamic_axes=dynamic,
+                do_constant_folding=True,
+            )
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"{spec.pytorch}: export to ONNX failed: {message}") from None
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
+    dims: list[int | str | None] = []
+    for dim in value_info.type.tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
+def check_inputs(model: onnx.ModelProto, inputs: tuple[InputSpec, ...], source: str) -> None:
+    """The recipe's inputs must be exactly the model's graph inputs, with compatible shapes."""
+    initializers = {t.name for t in model.graph.initializer}
+    graph_inputs = {vi.name: vi for vi in model.graph.input if vi.name not in initializers}
+    declared = {i.name for i in inputs}
+    for name in graph_inputs:
+        if name not in declared:
+            raise ModelError(f"{source}: model input '{name}' is not declared in the recipe's inputs")
+    for spec in inputs:
+        if spec.name not in graph_inputs:
+            known = ", ".join(sorted(graph_inputs)) or "none"
+            raise ModelError(f"recipe inputs.{spec.name}: the model has no such input (inputs: {known})")
+        vi = graph_inputs[spec.name]
+        elem = vi.type.tensor_type.elem_type
+        if elem != _ONNX_DTYPES[spec.dtype]:
+            actual = onnx.helper.tensor_dtype_to_np_dtype(elem)
+            raise ModelError(
+                f"recipe inputs.{spec.name}: dtype {spec.dtype} but the model expects {actual}"
+            )
+        dims = _dims(vi)
+        if len(dims) != len(spec.shape):
+            raise ModelError(
+                f"recipe inputs.{spec.name}: shape {list(spec.shape)} has rank {len(spec.shape)} "
+                f"but the model expects {dims}"
+            )
+        for axis, (want, have) in enumerate(zip(spec.shape, dims)):
+            if axis > 0 and isinstance(have, int) and have != want:
+                raise ModelError(
+                    f"recipe inputs.{spec.name}: shape {list(spec.shape)} does not match the "
+                    f"model's {dims} at axis {axis}"
+                )

@@ -1,0 +1,390 @@
+"""Recipe: the YAML file that says what to quantize and how, validated into typed objects.
+
+Validation happens once, up front, so a typo in the recipe fails in the first second with the key
+path at fault (``calibration.method``) rather than after minutes of calibration. Unknown keys are
+errors because a misspelt optional key would otherwise be silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qtool.errors import RecipeError
+
+METHODS = ("minmax", "entropy", "percentile", "mse")
+TARGETS = ("ort-cpu", "tensorrt")
+DEFAULT_OP_TYPES = ("Conv", "Gemm", "MatMul")
+INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
+IMAGE_MODES = ("L", "RGB")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: its shape (first dim is the batch) and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """An image folder with the preprocessing that turns each file into one model input sample."""
+
+    dir: Path
+    input: str
+    size: tuple[int, int]
+    mode: str = "RGB"
+    scale: float = 255.0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Exactly one data source; the field that is set says which kind."""
+
+    where: str  # key path in the recipe, for error messages
+    npz: Path | None = None
+    npy: dict[str, Path] | None = None
+    labels: Path | None = None
+    images: ImageFolder | None = None
+    python: str | None = None  # "path/to/file.py:function" with the path resolved
+    synthetic: bool = False
+    samples: int = 64
+
+    @property
+    def kind(self) -> str:
+        for kind in ("npz", "npy", "images", "python"):
+            if getattr(self, kind) is not None:
+                return kind
+        return "synthetic"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    onnx: Path | None = None
+    pytorch: str | None = None  # "path/to/file.py:factory" with the path resolved
+    weights: Path | None = None
+    opset: int = 17
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    data: DataSpec
+    batch_size: int = 32
+    max_samples: int | None = None
+    method: str = "entropy"
+    percentile: float = 99.99
+    bins: int = 2048
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    target: str = "ort-cpu"
+    per_channel: bool = True
+    op_types: tuple[str, ...] = DEFAULT_OP_TYPES
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def symmetric_activations(self) -> bool:
+        """TensorRT wants symmetric int8; ORT's CPU provider fuses asymmetric uint8 only."""
+        return self.target == "tensorrt"
+
+
+@dataclass(frozen=True)
+class EvaluationSpec:
+    data: DataSpec
+    batch_size: int = 64
+    max_drop: float | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    model: ModelSpec
+    inputs: tuple[InputSpec, ...]
+    calibration: CalibrationSpec
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    evaluation: EvaluationSpec | None = None
+    output_dir: Path = Path("out")
+    seed: int = 0
+
+    @property
+    def float_model_path(self) -> Path:
+        return self.output_dir / "model.fp32.onnx"
+
+    @property
+    def quant_model_path(self) -> Path:
+        return self.output_dir / "model.int8.onnx"
+
+    @property
+    def stats_path(self) -> Path:
+        return self.output_dir / "stats.npz"
+
+    @property
+    def report_path(self) -> Path:
+        return self.output_dir / "report.json"
+
+
+class _Reader:
+    """Reads typed values out of nested YAML mappings, naming the key path in every error."""
+
+    def __init__(self, recipe_path: Path) -> None:
+        self.recipe_path = recipe_path
+        self.base = recipe_path.parent
+
+    def fail(self, where: str, message: str) -> RecipeError:
+        return RecipeError(f"{self.recipe_path}: {where}: {message}")
+
+    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()):
+        if not isinstance(value, dict):
+            raise self.fail(where, f"must be a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                options = ", ".join(sorted(allowed))
+                raise self.fail(_join(where, str(key)), f"unknown key (allowed: {options})")
+        for key in sorted(required):
+            if key not in value:
+                raise self.fail(_join(where, key), "is required")
+        return value
+
+    def integer(self, value: Any, where: str, minimum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise self.fail(where, f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(where, f"must be a number, got {value!r}")
+        return float(value)
+
+    def boolean(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(where, f"must be true or false, got {value!r}")
+        return value
+
+    def string(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"must be a non-empty string, got {value!r}")
+        return value
+
+    def choice(self, value: Any, where: str, options: tuple[str, ...]) -> str:
+        if value not in options:
+            raise self.fail(where, f"must be one of {', '.join(options)}, got {value!r}")
+        return value
+
+    def existing_file(self, value: Any, where: str) -> Path:
+        path = self.base / self.string(value, where)
+        if not path.is_file():
+            raise self.fail(where, f"file not found: {path}")
+        return path
+
+    def existing_dir(self, value: Any, where: str) -> Path:
+        path = self.base / self.string(value, where)
+        if not path.is_dir():
+            raise self.fail(where, f"folder not found: {path}")
+        return path
+
+    def entry_point(self, value: Any, where: str) -> str:
+        text = self.string(value, where)
+        file_part, sep, func = text.rpartition(":")
+        if not sep or not file_part.endswith(".py") or not func.isidentifier():
+            raise self.fail(where, f"must look like 'file.py:function', got {text!r}")
+        path = self.existing_file(file_part, where)
+        return f"{path}:{func}"
+
+    def string_list(self, value: Any, where: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise self.fail(where, f"must be a list of strings, got {value!r}")
+        return tuple(self.string(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+    def number_list(self, value: Any, where: str) -> tuple[float, ...]:
+        if not isinstance(value, list):
+            raise self.fail(where, f"must be a list of numbers, got {value!r}")
+        return tuple(self.number(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+    def shape(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or not value:
+            raise self.fail(where, f"must be a non-empty list of positive integers, got {value!r}")
+        return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recipe:
+    """Parse and validate a recipe file; every problem is a RecipeError naming the key path."""
+    recipe_path = Path(path)
+    if not recipe_path.is_file():
+        raise RecipeError(f"{recipe_path}: recipe file not found")
+    try:
+        raw = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "YAML"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{recipe_path}: {where}: malformed YAML: {problem}") from None
+    reader = _Reader(recipe_path)
+    top = reader.mapping(
+        raw if raw is not None else {},
+        "",
+        {"seed", "model", "inputs", "calibration", "quantization", "evaluation", "output"},
+        {"model", "inputs", "calibration"},
+    )
+    model = _read_model(reader, top["model"])
+    inputs = _read_inputs(reader, top["inputs"])
+    calibration = _read_calibration(reader, top["calibration"])
+    quantization = _read_quantization(reader, top.get("quantization", {}))
+    evaluation = _read_evaluation(reader, top["evaluation"]) if "evaluation" in top else None
+    out = top.get("output", {})
+    reader.mapping(out, "output", {"dir"})
+    if output_dir is not None:
+        out_path = Path(output_dir)
+    else:
+        out_path = reader.base / reader.string(out.get("dir", "out"), "output.dir")
+    seed = reader.integer(top.get("seed", 0), "seed", minimum=0)
+    return Recipe(recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed)
+
+
+def _read_model(reader: _Reader, raw: Any) -> ModelSpec:
+    reader.mapping(raw, "model", {"onnx", "pytorch", "weights", "opset"})
+    if ("onnx" in raw) == ("pytorch" in raw):
+        raise reader.fail("model", "give exactly one of 'onnx' (a file) or 'pytorch' (file.py:factory)")
+    if "weights" in raw and "pytorch" not in raw:
+        raise reader.fail("model.weights", "only applies to a 'pytorch' model")
+    opset = reader.integer(raw.get("opset", 17), "model.opset", minimum=17)
+    if "onnx" in raw:
+        return ModelSpec(onnx=reader.existing_file(raw["onnx"], "model.onnx"), opset=opset)
+    weights = reader.existing_file(raw["weights"], "model.weights") if "weights" in raw else None
+    return ModelSpec(
+        pytorch=reader.entry_point(raw["pytorch"], "model.pytorch"), weights=weights, opset=opset
+    )
+
+
+def _read_inputs(reader: _Reader, raw: Any) -> tuple[InputSpec, ...]:
+    if not isinstance(raw, dict) or not raw:
+        raise reader.fail("inputs", "must map each model input name to its shape")
+    specs = []
+    for name, value in raw.items():
+        where = f"inputs.{name}"
+        if isinstance(value, dict):
+            reader.mapping(value, where, {"shape", "dtype"}, {"shape"})
+            shape = reader.shape(value["shape"], f"{where}.shape")
+            dtype = reader.choice(value.get("dtype", "float32"), f"{where}.dtype", INPUT_DTYPES)
+        else:
+            shape, dtype = reader.shape(value, where), "float32"
+        specs.append(InputSpec(str(name), shape, dtype))
+    return tuple(specs)
+
+
+def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
+    kinds = {"npz", "npy", "images", "python", "synthetic"}
+    reader.mapping(raw, where, kinds | {"labels", "samples"})
+    chosen = [k for k in ("npz", "npy", "images", "python") if k in raw]
+    synthetic = reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
+    if synthetic:
+        chosen.append("synthetic")
+    if len(chosen) != 1:
+        raise reader.fail(
+            where, "give exactly one data source: npz, npy, images, python, or synthetic: true"
+        )
+    if "samples" in raw and not synthetic:
+        raise reader.fail(f"{where}.samples", "only applies to synthetic: true")
+    if "labels" in raw and "npy" not in raw:
+        raise reader.fail(f"{where}.labels", "only applies to an 'npy' source")
+    kind = chosen[0]
+    if kind == "npz":
+        return DataSpec(where, npz=reader.existing_file(raw["npz"], f"{where}.npz"))
+    if kind == "npy":
+        files = raw["npy"]
+        if not isinstance(files, dict) or not files:
+            raise reader.fail(f"{where}.npy", "must map input names to .npy files")
+        npy = {str(k): reader.existing_file(v, f"{where}.npy.{k}") for k, v in files.items()}
+        labels = reader.existing_file(raw["labels"], f"{where}.labels") if "labels" in raw else None
+        return DataSpec(where, npy=npy, labels=labels)
+    if kind == "images":
+        return DataSpec(where, images=_read_images(reader, raw["images"], f"{where}.images"))
+    if kind == "python":
+        return DataSpec(where, python=reader.entry_point(raw["python"], f"{where}.python"))
+    samples = reader.integer(raw.get("samples", 64), f"{where}.samples", minimum=1)
+    return DataSpec(where, synthetic=True, samples=samples)
+
+
+def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
+    keys = {"dir", "input", "size", "mode", "scale", "mean", "std"}
+    reader.mapping(raw, where, keys, {"dir", "input", "size"})
+    size = reader.shape(raw["size"], f"{where}.size")
+    if len(size) != 2:
+        raise reader.fail(f"{where}.size", f"must be [height, width], got {list(size)}")
+    mode = reader.choice(raw.get("mode", "RGB"), f"{where}.mode", IMAGE_MODES)
+    channels = 1 if mode == "L" else 3
+    mean = reader.number_list(raw.get("mean", [0.0] * channels), f"{where}.mean")
+    std = reader.number_list(raw.get("std", [1.0] * channels), f"{where}.std")
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != channels:
+            raise reader.fail(f"{where}.{key}", f"needs {channels} values for mode {mode}")
+    if any(s <= 0 for s in std):
+        raise reader.fail(f"{where}.std", "values must be > 0")
+    scale = reader.number(raw.get("scale", 255.0), f"{where}.scale")
+    if scale <= 0:
+        raise reader.fail(f"{where}.scale", "must be > 0")
+    return ImageFolder(
+        dir=reader.existing_dir(raw["dir"], f"{where}.dir"),
+        input=reader.string(raw["input"], f"{where}.input"),
+        size=(size[0], size[1]),
+        mode=mode,
+        scale=scale,
+        mean=mean,
+        std=std,
+    )
+
+
+def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
+    keys = {"data", "batch_size", "max_samples", "method", "percentile", "bins"}
+    reader.mapping(raw, "calibration", keys, {"data"})
+    percentile = reader.number(raw.get("percentile", 99.99), "calibration.percentile")
+    if not 50.0 < percentile <= 100.0:
+        raise reader.fail("calibration.percentile", f"must be in (50, 100], got {percentile}")
+    bins = reader.integer(raw.get("bins", 2048), "calibration.bins", minimum=256)
+    max_samples = raw.get("max_samples")
+    return CalibrationSpec(
+        data=_read_data(reader, raw["data"], "calibration.data"),
+        batch_size=reader.integer(raw.get("batch_size", 32), "calibration.batch_size", minimum=1),
+        max_samples=None
+        if max_samples is None
+        else reader.integer(max_samples, "calibration.max_samples", minimum=1),
+        method=reader.choice(raw.get("method", "entropy"), "calibration.method", METHODS),
+        percentile=percentile,
+        bins=bins,
+    )
+
+
+def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
+    reader.mapping(raw, "quantization", {"target", "per_channel", "op_types", "exclude"})
+    op_types = reader.string_list(
+        raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
+    )
+    return QuantizationSpec(
+        target=reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS),
+        per_channel=reader.boolean(raw.get("per_channel", True), "quantization.per_channel"),
+        op_types=op_types,
+        exclude=reader.string_list(raw.get("exclude", []), "quantization.exclude"),
+    )
+
+
+def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
+    reader.mapping(raw, "evaluation", {"data", "batch_size", "max_drop"}, {"data"})
+    max_drop = raw.get("max_drop")
+    return EvaluationSpec(
+        data=_read_data(reader, raw["data"], "evaluation.data"),
+        batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
+        max_drop=None if max_drop is None else reader.number(max_drop, "evaluation.max_drop"),
+    )
