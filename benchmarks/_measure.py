@@ -146,8 +146,11 @@ def _ort_quantize(args: argparse.Namespace) -> None:
 
 
 def _latency(args: argparse.Namespace) -> None:
-    """Batch-1 latency of one model in ORT's CPU provider, plus output fidelity vs the FP32 model
-    on a few calibration samples (cosine, SQNR), which shows a fast model is not a broken one."""
+    """Batch-1 latency in ORT's CPU provider of several models, measured in interleaved rounds
+    (a few runs of each model in turn) so that load from other processes on a shared machine
+    hits every model alike instead of whichever ran during it. Also the output fidelity of each
+    model vs the first (FP32) one on a few calibration samples (cosine, SQNR), which shows that
+    a fast model is not a broken one. A model that ORT cannot load or run gets an error entry."""
     import numpy as np
     import onnxruntime as ort
 
@@ -155,33 +158,47 @@ def _latency(args: argparse.Namespace) -> None:
     opts.intra_op_num_threads = args.threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    sess = ort.InferenceSession(args.model, opts, providers=["CPUExecutionProvider"])
     batches = _batches(args.data, 1)
-    feed = batches[0]
-    for _ in range(args.warmup):
-        sess.run(None, feed)
-    times = []
-    for _ in range(args.runs):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        times.append((time.perf_counter() - t0) * 1e3)
-    result = {
-        "median_ms": float(np.median(times)),
-        "p90_ms": float(np.percentile(times, 90)),
-        "runs": args.runs,
-        "warmup": args.warmup,
-        "threads": args.threads,
-    }
-    if args.reference:
-        ref = ort.InferenceSession(args.reference, opts, providers=["CPUExecutionProvider"])
-        got = np.concatenate([sess.run(None, b)[0].ravel() for b in batches[: args.fidelity]])
-        want = np.concatenate([ref.run(None, b)[0].ravel() for b in batches[: args.fidelity]])
-        got, want = got.astype(np.float64), want.astype(np.float64)
-        err = np.sum((got - want) ** 2)
-        result["cosine_vs_fp32"] = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
-        result["sqnr_db_vs_fp32"] = float(10 * np.log10(np.sum(want**2) / err)) if err else None
-        result["fidelity_samples"] = min(args.fidelity, len(batches))
-    Path(args.json).write_text(json.dumps(result))
+    feed = batches[: args.fidelity]
+    sessions, results, outputs = {}, {}, {}
+    for spec in args.model:
+        tag, path = spec.split("=", 1)
+        try:
+            sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+            outputs[tag] = np.concatenate([sess.run(None, b)[0].ravel() for b in feed])
+            for _ in range(args.warmup):
+                sess.run(None, batches[0])
+        except Exception as exc:  # noqa: BLE001 - reported per model, the others still run
+            results[tag] = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
+            continue
+        sessions[tag] = sess
+        results[tag] = {"status": "ok", "times": []}
+    per_round = max(1, args.runs // args.rounds)
+    for _ in range(args.rounds):
+        for tag, sess in sessions.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                sess.run(None, batches[0])
+                results[tag]["times"].append((time.perf_counter() - t0) * 1e3)
+    ref_tag = args.model[0].split("=", 1)[0]
+    want = outputs.get(ref_tag)
+    for tag in sessions:
+        r = results[tag]
+        times = r.pop("times")
+        r.update(
+            median_ms=float(np.median(times)),
+            p90_ms=float(np.percentile(times, 90)),
+            runs=len(times),
+            warmup=args.warmup,
+            threads=args.threads,
+        )
+        if want is not None and tag != ref_tag:
+            got, ref = outputs[tag].astype(np.float64), want.astype(np.float64)
+            err = float(np.sum((got - ref) ** 2))
+            r["cosine_vs_fp32"] = float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref)))
+            r["sqnr_db_vs_fp32"] = float(10 * np.log10(np.sum(ref**2) / err)) if err else None
+            r["fidelity_samples"] = len(feed)
+    Path(args.json).write_text(json.dumps(results))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,13 +218,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--op-types", default="Conv,Gemm,MatMul")
     p.set_defaults(fn=_ort_quantize)
     p = sub.add_parser("latency")
-    p.add_argument("--model", required=True)
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="TAG=PATH; the first is the FP32 reference for fidelity",
+    )
     p.add_argument("--data", required=True)
     p.add_argument("--json", required=True)
-    p.add_argument("--reference", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--fidelity", type=int, default=8)
     p.set_defaults(fn=_latency)
     args = parser.parse_args(argv)

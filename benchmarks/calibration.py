@@ -117,6 +117,12 @@ def _child(*args: str) -> list[str]:
     return [sys.executable, "-m", "benchmarks._measure", *args]
 
 
+def _fresh(path: Path) -> Path:
+    """Delete a previous run's output so that only this run's file can count as success."""
+    path.unlink(missing_ok=True)
+    return path
+
+
 def _expect_file(m: Measured, path: Path) -> Measured:
     """A zero exit without the output file is a failure too."""
     if m.ok and not path.exists():
@@ -127,13 +133,14 @@ def _expect_file(m: Measured, path: Path) -> Measured:
 def run_qtool(model: BenchModel, data: Path, method: str, run_dir: Path, timeout: float) -> dict:
     recipe = write_recipe(model, data, method, run_dir)
     cmd = [*qtool_command(), "quantize", str(recipe)]
+    _fresh(run_dir / "qtool" / "model.int8.onnx")
     m = run_measured(cmd, run_dir / "qtool.log", timeout, cwd=REPO)
     out = run_dir / "qtool" / "model.int8.onnx"
     return {**_expect_file(m, out).to_dict(), "cmd": cmd, "model_out": str(out)}
 
 
 def run_ort_preprocess(model: BenchModel, work: Path, timeout: float) -> tuple[Measured, Path]:
-    out = work / model.name / "ort_preprocessed.onnx"
+    out = _fresh(work / model.name / "ort_preprocessed.onnx")
     cmd = _child("ort-preprocess", "--model", str(model.onnx_path), "--out", str(out))
     m = run_measured(cmd, work / model.name / "ort_preprocess.log", timeout, cwd=REPO)
     return _expect_file(m, out), out
@@ -144,7 +151,7 @@ def run_ort(
 ) -> dict:
     """ORT's time is pre-processing + quantize_static, its peak the larger of the two processes:
     quant_pre_process is a step ORT's docs require and qtool does not have."""
-    out = run_dir / "ort.onnx"
+    out = _fresh(run_dir / "ort.onnx")
     if not pre.ok:
         return {"status": f"pre-process {pre.status}", "preprocess": pre.to_dict()}
     cmd = _child(
@@ -175,41 +182,6 @@ def run_ort(
     }
 
 
-def measure_latency(
-    path: Path,
-    reference: Path | None,
-    data: Path,
-    log_dir: Path,
-    tag: str,
-    timeout: float,
-    threads: int,
-    runs: int,
-) -> dict:
-    """Latency runs in a child too, so a quantized model that crashes ORT is a row, not an
-    abort."""
-    out = log_dir / f"latency_{tag}.json"
-    cmd = _child(
-        "latency",
-        "--model",
-        str(path),
-        "--data",
-        str(data),
-        "--json",
-        str(out),
-        "--threads",
-        str(threads),
-        "--runs",
-        str(runs),
-    )
-    if reference is not None:
-        cmd += ["--reference", str(reference)]
-    m = _expect_file(run_measured(cmd, log_dir / f"latency_{tag}.log", timeout, cwd=REPO), out)
-    result = {"status": m.status, "path": str(path)}
-    if m.ok:
-        result.update(json.loads(out.read_text()))
-    return result
-
-
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num and den else None
 
@@ -224,13 +196,17 @@ def add_ratios(row: dict) -> None:
 # --------------------------------------------------------------------------- output
 
 
+_SHORT = ("timeout", "no model", "pre-process", "latency run")
+
+
 def _cell(side: dict, key: str, fmt: str) -> str:
     """A number, or the first word of a failure; the full reason is listed under the table."""
     if not side:
         return "-"
     status = side.get("status", "skipped")
     if status != "ok":
-        return f"[red]{status.split(':')[0].split(' ')[0]}[/red]"
+        short = next((w for w in _SHORT if status.startswith(w)), "failed")
+        return f"[red]{short}[/red]"
     return fmt.format(side[key])
 
 
@@ -432,43 +408,47 @@ def latency_rows(
     model: BenchModel, runs: list[dict], data: dict[int, Path], work: Path, args: argparse.Namespace
 ) -> list[dict]:
     """FP32, ORT's and qtool's models from the entropy/64 run (or the first method and the
-    smallest sample count when those were not run)."""
+    smallest sample count when those were not run), measured in one child process (interleaved
+    rounds; see benchmarks/_measure.py), so a model that crashes ORT is a row, not an abort."""
     method = "entropy" if "entropy" in args.methods else args.methods[0]
     n = 64 if 64 in data else min(data)
     row = next(
         r for r in runs if r["model"] == model.name and r["method"] == method and r["samples"] == n
     )
-    log_dir = work / "runs" / model.name
-    variants = [("fp32", "-", {"status": "ok", "model_out": str(model.onnx_path)})]
+    rows = {"fp32": {"model": model.name, "variant": "fp32", "source": "-"}}
+    specs = [f"fp32={model.onnx_path}"]
     for tool in ("ort", "qtool"):
-        if row[tool]:
-            variants.append((tool, f"{method}/{n}", row[tool]))
-    out = []
-    fp32_ms = None
-    for variant, source, run in variants:
-        res: dict = {"model": model.name, "variant": variant, "source": source}
-        if run.get("status") != "ok":
-            res["status"] = f"no model ({run.get('status')})"
+        if not row[tool]:
+            continue
+        rows[tool] = {"model": model.name, "variant": tool, "source": f"{method}/{n}"}
+        if row[tool]["status"] == "ok":
+            specs.append(f"{tool}={row[tool]['model_out']}")
+            rows[tool]["path"] = row[tool]["model_out"]
         else:
-            ref = None if variant == "fp32" else model.onnx_path
-            res.update(
-                measure_latency(
-                    Path(run["model_out"]),
-                    ref,
-                    data[n],
-                    log_dir,
-                    f"{variant}",
-                    args.timeout,
-                    args.threads,
-                    args.latency_runs,
-                )
-            )
-        if variant == "fp32" and res["status"] == "ok":
-            fp32_ms = res["median_ms"]
-        ok = res["status"] == "ok"
-        res["speedup_vs_fp32"] = _ratio(fp32_ms, res["median_ms"]) if ok else None
-        out.append(res)
-    return out
+            rows[tool]["status"] = f"no model ({row[tool]['status']})"
+    log_dir = work / "runs" / model.name
+    out = _fresh(log_dir / "latency.json")
+    cmd = _child(
+        "latency",
+        "--data",
+        str(data[n]),
+        "--json",
+        str(out),
+        "--threads",
+        str(args.threads),
+        "--runs",
+        str(args.latency_runs),
+        *[x for spec in specs for x in ("--model", spec)],
+    )
+    m = _expect_file(run_measured(cmd, log_dir / "latency.log", args.timeout, cwd=REPO), out)
+    measured = json.loads(out.read_text()) if m.ok else {}
+    for tag, r in rows.items():
+        if "status" not in r:
+            r.update(measured.get(tag, {"status": f"latency run {m.status}"}))
+    fp32 = rows["fp32"].get("median_ms")
+    for r in rows.values():
+        r["speedup_vs_fp32"] = _ratio(fp32, r.get("median_ms")) if r["status"] == "ok" else None
+    return list(rows.values())
 
 
 if __name__ == "__main__":

@@ -37,15 +37,18 @@ void parallel_chunks(int64_t n, int workers, Fn fn) {
   for (auto& t : pool) t.join();
 }
 
-// Returns QT_OK and fills prefix sums, or QT_ERR_NO_COUNTS for negative or all-zero histograms.
+// Prefix sums of a histogram (see qt_math.h). Returns QT_ERR_NO_COUNTS for negative or all-zero
+// histograms; prefix_hlogh is only filled when non-null.
 int build_prefix(const int64_t* hist, int64_t nbins, std::vector<int64_t>& prefix,
-                 std::vector<int64_t>& prefix_nz) {
+                 std::vector<int64_t>& prefix_nz, std::vector<double>* prefix_hlogh = nullptr) {
   prefix.assign(nbins + 1, 0);
   prefix_nz.assign(nbins + 1, 0);
+  if (prefix_hlogh != nullptr) prefix_hlogh->assign(nbins + 1, 0.0);
   for (int64_t j = 0; j < nbins; ++j) {
     if (hist[j] < 0) return QT_ERR_NO_COUNTS;
     prefix[j + 1] = prefix[j] + hist[j];
     prefix_nz[j + 1] = prefix_nz[j] + (hist[j] != 0 ? 1 : 0);
+    if (prefix_hlogh != nullptr) (*prefix_hlogh)[j + 1] = (*prefix_hlogh)[j] + qt_hlogh(hist[j]);
   }
   return prefix[nbins] > 0 ? QT_OK : QT_ERR_NO_COUNTS;
 }
@@ -130,17 +133,18 @@ int qt_cpu_histogram_accumulate(const float* x, int64_t n, float half_range, int
 int qt_cpu_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out) {
   if (nbins < 1 || num_levels < 1 || nbins < num_levels) return QT_ERR_BAD_ARG;
   std::vector<int64_t> prefix, prefix_nz;
-  const int status = build_prefix(hist, nbins, prefix, prefix_nz);
+  std::vector<double> prefix_hlogh;
+  const int status = build_prefix(hist, nbins, prefix, prefix_nz, &prefix_hlogh);
   if (status != QT_OK) return status;
   const int64_t ncand = nbins - num_levels + 1;
-  // Work is ~ncand * nbins / 2 terms; each candidate is summed serially by one thread.
-  const int workers = std::min<int64_t>(thread_count(ncand * nbins / 2), ncand);
+  const int workers = std::min<int64_t>(thread_count(ncand * num_levels), ncand);
   parallel_chunks(ncand, workers, [&](int64_t b, int64_t e, int) {
     for (int64_t k = b; k < e; ++k) {
       const int64_t i = num_levels + k;
-      double kl = 0.0;
-      for (int64_t j = 0; j < i; ++j) {
-        kl += qt_kl_term(hist, prefix.data(), prefix_nz.data(), nbins, j, i, num_levels);
+      double kl = qt_kl_last_term(hist, prefix.data(), prefix_nz.data(), nbins, i, num_levels);
+      for (int64_t g = 0; g < num_levels; ++g) {
+        kl += qt_kl_group_term(prefix.data(), prefix_nz.data(), prefix_hlogh.data(), nbins, g, i,
+                               num_levels);
       }
       out[k] = kl;
     }

@@ -119,59 +119,75 @@ __global__ void histogram_global_kernel(const float* x, int64_t n, float half_ra
 
 // ---- prefix sums of a histogram (one block) ----
 
-// prefix[k] = sum(hist[:k]), prefix_nz[k] = count_nonzero(hist[:k]) for k = 0..nbins.
+// prefix[k] = sum(hist[:k]), prefix_nz[k] = count_nonzero(hist[:k]),
+// prefix_hlogh[k] = sum(h log h, hist[:k]) for k = 0..nbins: chunked serial sums + block scan.
 __global__ void prefix_kernel(const int64_t* hist, int64_t nbins, int64_t* prefix,
-                              int64_t* prefix_nz) {
+                              int64_t* prefix_nz, double* prefix_hlogh) {
   __shared__ int64_t sh_sum[kScanThreads];
   __shared__ int64_t sh_nz[kScanThreads];
+  __shared__ double sh_hl[kScanThreads];
   const int t = threadIdx.x;
   const int64_t chunk = (nbins + kScanThreads - 1) / kScanThreads;
   const int64_t b = t * chunk < nbins ? t * chunk : nbins;
   const int64_t e = b + chunk < nbins ? b + chunk : nbins;
   int64_t s = 0, z = 0;
+  double hl = 0.0;
   for (int64_t j = b; j < e; ++j) {
     s += hist[j];
     z += hist[j] != 0 ? 1 : 0;
+    hl += qt_hlogh(hist[j]);
   }
   sh_sum[t] = s;
   sh_nz[t] = z;
+  sh_hl[t] = hl;
   __syncthreads();
   for (int off = 1; off < kScanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
     int64_t as = 0, az = 0;
+    double ah = 0.0;
     if (t >= off) {
       as = sh_sum[t - off];
       az = sh_nz[t - off];
+      ah = sh_hl[t - off];
     }
     __syncthreads();
     sh_sum[t] += as;
     sh_nz[t] += az;
+    sh_hl[t] += ah;
     __syncthreads();
   }
   s = t > 0 ? sh_sum[t - 1] : 0;
   z = t > 0 ? sh_nz[t - 1] : 0;
+  hl = t > 0 ? sh_hl[t - 1] : 0.0;
   if (t == 0) {
     prefix[0] = 0;
     prefix_nz[0] = 0;
+    prefix_hlogh[0] = 0.0;
   }
   for (int64_t j = b; j < e; ++j) {
     s += hist[j];
     z += hist[j] != 0 ? 1 : 0;
+    hl += qt_hlogh(hist[j]);
     prefix[j + 1] = s;
     prefix_nz[j + 1] = z;
+    prefix_hlogh[j + 1] = hl;
   }
 }
 
 // ---- searches: one block per candidate ----
 
+// Candidate i = num_levels + blockIdx.x; threads split the groups.
 __global__ void kl_kernel(const int64_t* hist, const int64_t* prefix, const int64_t* prefix_nz,
-                          int64_t nbins, int64_t num_levels, double* out) {
+                          const double* prefix_hlogh, int64_t nbins, int64_t num_levels,
+                          double* out) {
   const int64_t i = num_levels + blockIdx.x;
   double acc = 0.0;
-  for (int64_t j = threadIdx.x; j < i; j += blockDim.x) {
-    acc += qt_kl_term(hist, prefix, prefix_nz, nbins, j, i, num_levels);
+  for (int64_t g = threadIdx.x; g < num_levels; g += blockDim.x) {
+    acc += qt_kl_group_term(prefix, prefix_nz, prefix_hlogh, nbins, g, i, num_levels);
   }
   const double r = block_reduce_sum(acc);
-  if (threadIdx.x == 0) out[blockIdx.x] = r;
+  if (threadIdx.x == 0) {
+    out[blockIdx.x] = r + qt_kl_last_term(hist, prefix, prefix_nz, nbins, i, num_levels);
+  }
 }
 
 __global__ void mse_kernel(const int64_t* hist, const int64_t* prefix, int64_t nbins,
@@ -228,12 +244,19 @@ struct Scratch {
   }
 };
 
-int launch_prefix(const int64_t* hist, int64_t nbins, Scratch& scratch, int64_t** prefix,
-                  int64_t** prefix_nz, cudaStream_t s) {
-  QT_CUDA_TRY(scratch.alloc(2 * (size_t)(nbins + 1) * sizeof(int64_t)));
-  *prefix = static_cast<int64_t*>(scratch.ptr);
-  *prefix_nz = *prefix + (nbins + 1);
-  prefix_kernel<<<1, kScanThreads, 0, s>>>(hist, nbins, *prefix, *prefix_nz);
+struct Prefix {
+  int64_t* sum = nullptr;
+  int64_t* nz = nullptr;
+  double* hlogh = nullptr;
+};
+
+int launch_prefix(const int64_t* hist, int64_t nbins, Scratch& scratch, Prefix* p,
+                  cudaStream_t s) {
+  QT_CUDA_TRY(scratch.alloc(3 * (size_t)(nbins + 1) * sizeof(int64_t)));
+  p->sum = static_cast<int64_t*>(scratch.ptr);
+  p->nz = p->sum + (nbins + 1);
+  p->hlogh = reinterpret_cast<double*>(p->nz + (nbins + 1));
+  prefix_kernel<<<1, kScanThreads, 0, s>>>(hist, nbins, p->sum, p->nz, p->hlogh);
   QT_CUDA_TRY(cudaGetLastError());
   return QT_OK;
 }
@@ -347,11 +370,11 @@ int qt_cuda_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_level
   if (nbins - num_levels + 1 > 0x7fffffffLL) return QT_ERR_BAD_ARG;
   cudaStream_t s = as_stream(stream);
   Scratch scratch(s);
-  int64_t *prefix = nullptr, *prefix_nz = nullptr;
-  int status = launch_prefix(hist, nbins, scratch, &prefix, &prefix_nz, s);
+  Prefix p;
+  int status = launch_prefix(hist, nbins, scratch, &p, s);
   if (status != QT_OK) return status;
-  kl_kernel<<<(unsigned)(nbins - num_levels + 1), kThreads, 0, s>>>(hist, prefix, prefix_nz,
-                                                                    nbins, num_levels, out);
+  kl_kernel<<<(unsigned)(nbins - num_levels + 1), kThreads, 0, s>>>(
+      hist, p.sum, p.nz, p.hlogh, nbins, num_levels, out);
   QT_CUDA_TRY(cudaGetLastError());
   return QT_OK;
 }
@@ -381,10 +404,10 @@ int qt_cuda_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, do
   if (nbins < 1 || num_steps < 1 || nbins > 0x7fffffffLL) return QT_ERR_BAD_ARG;
   cudaStream_t s = as_stream(stream);
   Scratch scratch(s);
-  int64_t *prefix = nullptr, *prefix_nz = nullptr;
-  int status = launch_prefix(hist, nbins, scratch, &prefix, &prefix_nz, s);
+  Prefix p;
+  int status = launch_prefix(hist, nbins, scratch, &p, s);
   if (status != QT_OK) return status;
-  mse_kernel<<<(unsigned)nbins, kThreads, 0, s>>>(hist, prefix, nbins, num_steps, out);
+  mse_kernel<<<(unsigned)nbins, kThreads, 0, s>>>(hist, p.sum, nbins, num_steps, out);
   QT_CUDA_TRY(cudaGetLastError());
   return QT_OK;
 }

@@ -109,37 +109,60 @@ QT_HD inline int64_t qt_hist_bin(float v, float half_range, double scale, int64_
 //      bins stay zero                                                          (sums to sum(hist[:i]))
 //   KL(P||Q) = sum_{P_j > 0} p_j log(p_j / max(q_j, QT_KL_EPS)) with p, q normalised.
 // The best candidate is the smallest divergence, the smallest i on ties.
-// prefix[k] = sum(hist[:k]) and prefix_nz[k] = count_nonzero(hist[:k]) (k = 0..nbins) make every
-// term O(1), so backends can parallelise over bins and candidates freely.
+//
+// Evaluated per group, not per bin: inside group g every nonzero bin has the same q_g, so
+//   sum_{j in g, j != i-1} p_j log(p_j / q_g) = (HL_g - H_g (log T + log q_g)) / T
+// with H_g = sum h_j and HL_g = sum h_j log h_j over the group (T = total count). Bin i-1 carries
+// the outliers and is added on its own. With prefix sums
+//   prefix[k] = sum(hist[:k]), prefix_nz[k] = count_nonzero(hist[:k]),
+//   prefix_hlogh[k] = sum(h log h for h in hist[:k])                          (k = 0..nbins)
+// a candidate costs O(num_levels) instead of O(i), and backends can parallelise over groups and
+// candidates freely.
 
-QT_HD inline int64_t qt_kl_group(int64_t j, int64_t i, int64_t num_levels) {
-  return (j * num_levels) / i;
-}
+QT_HD inline double qt_hlogh(int64_t h) { return h > 0 ? (double)h * log((double)h) : 0.0; }
 
 QT_HD inline int64_t qt_kl_group_start(int64_t g, int64_t i, int64_t num_levels) {
-  return (g * i + num_levels - 1) / num_levels;  // ceil(g * i / L)
+  return (g * i + num_levels - 1) / num_levels;  // ceil(g * i / L): bin j is in group j*L/i
 }
 
-// Term of bin j (j < i) of KL(P||Q) for candidate i.
-QT_HD inline double qt_kl_term(const int64_t* hist, const int64_t* prefix, const int64_t* prefix_nz,
-                               int64_t nbins, int64_t j, int64_t i, int64_t num_levels) {
+// log of the (floored) normalised Q value of a nonzero bin in group g of candidate i.
+QT_HD inline double qt_kl_log_q(const int64_t* prefix, const int64_t* prefix_nz, int64_t g,
+                                int64_t i, int64_t num_levels) {
+  const int64_t s = qt_kl_group_start(g, i, num_levels);
+  const int64_t e = qt_kl_group_start(g + 1, i, num_levels);
+  const int64_t gsum = prefix[e] - prefix[s];
+  const int64_t gnz = prefix_nz[e] - prefix_nz[s];
+  double q = gnz > 0 ? ((double)gsum / (double)gnz) / (double)prefix[i] : 0.0;
+  if (q < QT_KL_EPS) q = QT_KL_EPS;
+  return log(q);
+}
+
+// Contribution of group g to KL(P||Q) for candidate i, without bin i-1.
+QT_HD inline double qt_kl_group_term(const int64_t* prefix, const int64_t* prefix_nz,
+                                     const double* prefix_hlogh, int64_t nbins, int64_t g,
+                                     int64_t i, int64_t num_levels) {
+  const int64_t s = qt_kl_group_start(g, i, num_levels);
+  int64_t e = qt_kl_group_start(g + 1, i, num_levels);
+  if (e == i) e = i - 1;  // the last group; bin i-1 is qt_kl_last_term
+  const int64_t h = prefix[e] - prefix[s];
+  if (h <= 0) return 0.0;
+  const double total = (double)prefix[nbins];
+  const double hl = prefix_hlogh[e] - prefix_hlogh[s];
+  const double lq = qt_kl_log_q(prefix, prefix_nz, g, i, num_levels);
+  return (hl - (double)h * (log(total) + lq)) / total;
+}
+
+// Contribution of bin i-1, which holds its own count plus all outliers sum(hist[i:]).
+QT_HD inline double qt_kl_last_term(const int64_t* hist, const int64_t* prefix,
+                                    const int64_t* prefix_nz, int64_t nbins, int64_t i,
+                                    int64_t num_levels) {
   const int64_t total = prefix[nbins];
-  const int64_t h = hist[j];
-  int64_t pc = h;
-  if (j == i - 1) pc += total - prefix[i];
+  const int64_t pc = hist[i - 1] + (total - prefix[i]);
   if (pc <= 0) return 0.0;
   const double p = (double)pc / (double)total;
-  double q = 0.0;
-  if (h > 0) {
-    const int64_t g = qt_kl_group(j, i, num_levels);
-    const int64_t s = qt_kl_group_start(g, i, num_levels);
-    const int64_t e = qt_kl_group_start(g + 1, i, num_levels);
-    const int64_t gsum = prefix[e] - prefix[s];
-    const int64_t gnz = prefix_nz[e] - prefix_nz[s];
-    q = ((double)gsum / (double)gnz) / (double)prefix[i];
-  }
-  if (q < QT_KL_EPS) q = QT_KL_EPS;
-  return p * log(p / q);
+  const double lq = hist[i - 1] > 0 ? qt_kl_log_q(prefix, prefix_nz, num_levels - 1, i, num_levels)
+                                    : log(QT_KL_EPS);
+  return p * (log(p) - lq);
 }
 
 // ---------------------------------------------------------------------------------------------

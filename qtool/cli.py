@@ -66,7 +66,9 @@ def main(
 
 @app.command()
 @user_errors
-def calibrate(recipe: RecipeArg, output_dir: OutputOpt = None, progress: ProgressOpt = True) -> None:
+def calibrate(
+    recipe: RecipeArg, output_dir: OutputOpt = None, progress: ProgressOpt = True
+) -> None:
     """Stream the calibration set through the float model and write the stats file."""
     from qtool.pipeline import calibrate as run_calibrate
     from qtool.pipeline import prepare
@@ -92,7 +94,7 @@ def quantize(
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
-    """Compute ranges and write the QDQ model and report.json (calibrating first without --stats)."""
+    """Compute ranges, write the QDQ model and report.json; calibrates first without --stats."""
     from qtool.pipeline import quantize as run_quantize
     from qtool.recipe import load_recipe
 
@@ -123,9 +125,13 @@ def evaluate(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 64,
     max_drop: Annotated[
         float | None,
-        typer.Option("--max-drop", help="Exit 1 when accuracy (or agreement) drops by more points."),
+        typer.Option(
+            "--max-drop", help="Exit 1 when accuracy (or agreement) drops by more points."
+        ),
     ] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Also write results as JSON.")] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write results as JSON.")
+    ] = None,
     latency_runs: Annotated[int, typer.Option("--latency-runs", min=1)] = 50,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
     output_dir: OutputOpt = None,
@@ -166,7 +172,9 @@ def evaluate(
                 highlight=False,
             )
             raise typer.Exit(code=1)
-        console.print(f"PASS: {metric} dropped {drop:.2f} points (limit {limit:.2f})", highlight=False)
+        console.print(
+            f"PASS: {metric} dropped {drop:.2f} points (limit {limit:.2f})", highlight=False
+        )
 
 
 def _recipe_evaluation(recipe: Path, output_dir: Path | None):
@@ -200,7 +208,9 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
     for value in model.graph.input:
         if value.name in initializers:
             continue
-        dims = [d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim]
+        dims = [
+            d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim
+        ]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
         inputs.append(InputSpec(value.name, tuple(dims), dtype))
     spec = DataSpec("--data", npz=data)
@@ -216,8 +226,12 @@ def doctor() -> None:
     from qtool import kernels
 
     console.print(f"qtool {__version__} (python {sys.version.split()[0]})", highlight=False)
-    console.print(f"onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}", highlight=False)
-    console.print(f"ORT providers: {', '.join(onnxruntime.get_available_providers())}", highlight=False)
+    console.print(
+        f"onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}", highlight=False
+    )
+    console.print(
+        f"ORT providers: {', '.join(onnxruntime.get_available_providers())}", highlight=False
+    )
     for name, state in kernels.backends().items():
         console.print(f"kernels[{name}]: {state}", highlight=False)
     console.print(f"default device: {kernels.default_device()}", highlight=False)

@@ -123,7 +123,9 @@ def _validate(batch: Batch, inputs: tuple[InputSpec, ...], where: str, first: in
     if batch.labels is not None:
         lengths.add(len(batch.labels))
     if len(lengths) != 1:
-        raise DataError(f"{where}: arrays in one batch have different sample counts {sorted(lengths)}")
+        raise DataError(
+            f"{where}: arrays in one batch have different sample counts {sorted(lengths)}"
+        )
     for spec in inputs:
         array = batch.inputs[spec.name]
         if array.shape[1:] != spec.shape[1:]:
@@ -168,7 +170,9 @@ def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterat
         names = [i.name for i in inputs]
         for name in names:
             if name not in archive.files:
-                raise DataError(f"{path}: has no array '{name}' (arrays: {', '.join(archive.files)})")
+                raise DataError(
+                    f"{path}: has no array '{name}' (arrays: {', '.join(archive.files)})"
+                )
         arrays = {n: archive[n] for n in names}
         labels = archive["labels"] if "labels" in archive.files else None
     yield Batch(arrays, labels)

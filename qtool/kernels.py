@@ -289,6 +289,8 @@ def channel_minmax(x: np.ndarray, axis: int, device: str = "cpu") -> tuple[np.nd
     if not -arr.ndim <= axis < arr.ndim:
         raise KernelError(f"channel_minmax: axis {axis} out of range for shape {arr.shape}")
     channels = arr.shape[axis]
+    if arr.size == 0:
+        raise KernelError(f"channel_minmax: empty tensor (shape {arr.shape})")
     rows = _float_data(np.moveaxis(arr, axis, 0).reshape(channels, -1), "channel_minmax")
     inner = rows.shape[1]
     lo, hi = np.zeros(channels, np.float32), np.zeros(channels, np.float32)

@@ -50,7 +50,9 @@ def load_entry_point(spec: str, what: str):
             module_spec.loader.exec_module(module)
         except Exception as exc:
             del sys.modules[module_name]
-            raise ModelError(f"{path}: importing {what} failed: {type(exc).__name__}: {exc}") from exc
+            raise ModelError(
+                f"{path}: importing {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     if not hasattr(module, name):
         raise ModelError(f"{path}: has no '{name}' ({what})")
     return getattr(module, name)
@@ -90,9 +92,7 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ModelError(f"{spec.weights}: cannot load weights: {first_line}") from None
     module.eval()
-    examples = tuple(
-        torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs
-    )
+    examples = tuple(torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs)
     names = [i.name for i in inputs]
     buffer = io.BytesIO()
     torch.manual_seed(0)
@@ -101,7 +101,9 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
             warnings.simplefilter("ignore")
             probe = module(*examples)
             outputs = probe if isinstance(probe, (tuple, list)) else (probe,)
-            output_names = ["output"] if len(outputs) == 1 else [f"output_{k}" for k in range(len(outputs))]
+            output_names = (
+                ["output"] if len(outputs) == 1 else [f"output_{k}" for k in range(len(outputs))]
+            )
             dynamic = {n: {0: "batch"} for n in names + output_names}
             torch.onnx.export(
                 module,
@@ -139,11 +141,15 @@ def check_inputs(model: onnx.ModelProto, inputs: tuple[InputSpec, ...], source: 
     declared = {i.name for i in inputs}
     for name in graph_inputs:
         if name not in declared:
-            raise ModelError(f"{source}: model input '{name}' is not declared in the recipe's inputs")
+            raise ModelError(
+                f"{source}: model input '{name}' is not declared in the recipe's inputs"
+            )
     for spec in inputs:
         if spec.name not in graph_inputs:
             known = ", ".join(sorted(graph_inputs)) or "none"
-            raise ModelError(f"recipe inputs.{spec.name}: the model has no such input (inputs: {known})")
+            raise ModelError(
+                f"recipe inputs.{spec.name}: the model has no such input (inputs: {known})"
+            )
         vi = graph_inputs[spec.name]
         elem = vi.type.tensor_type.elem_type
         if elem != _ONNX_DTYPES[spec.dtype]:
@@ -157,7 +163,7 @@ def check_inputs(model: onnx.ModelProto, inputs: tuple[InputSpec, ...], source: 
                 f"recipe inputs.{spec.name}: shape {list(spec.shape)} has rank {len(spec.shape)} "
                 f"but the model expects {dims}"
             )
-        for axis, (want, have) in enumerate(zip(spec.shape, dims)):
+        for axis, (want, have) in enumerate(zip(spec.shape, dims, strict=True)):
             if axis > 0 and isinstance(have, int) and have != want:
                 raise ModelError(
                     f"recipe inputs.{spec.name}: shape {list(spec.shape)} does not match the "

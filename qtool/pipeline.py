@@ -26,7 +26,12 @@ from qtool.io import atomic_write_bytes
 from qtool.models import load_model
 from qtool.ort_session import create_session
 from qtool.quantize.layout import Layout, plan_layout
-from qtool.quantize.params import ActivationParams, activation_params, quantize_bias, quantize_weight
+from qtool.quantize.params import (
+    ActivationParams,
+    activation_params,
+    quantize_bias,
+    quantize_weight,
+)
 from qtool.quantize.prepare import prepare_model, tensor_types
 from qtool.quantize.qdq import BiasParams, write_qdq_model
 from qtool.recipe import Recipe

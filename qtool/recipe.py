@@ -18,6 +18,17 @@ from qtool.errors import RecipeError
 METHODS = ("minmax", "entropy", "percentile", "mse")
 TARGETS = ("ort-cpu", "tensorrt")
 DEFAULT_OP_TYPES = ("Conv", "Gemm", "MatMul")
+# Ops with integer kernels in ORT's CPU provider and TensorRT that qtool knows how to place.
+SUPPORTED_OP_TYPES = (
+    "Conv",
+    "Gemm",
+    "MatMul",
+    "Add",
+    "Mul",
+    "Concat",
+    "GlobalAveragePool",
+    "AveragePool",
+)
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
 IMAGE_MODES = ("L", "RGB")
 
@@ -233,8 +244,9 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError(f"{recipe_path}: {where}: malformed YAML: {problem}") from None
     reader = _Reader(recipe_path)
+    raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
     top = reader.mapping(
-        raw if raw is not None else {},
+        raw,
         "",
         {"seed", "model", "inputs", "calibration", "quantization", "evaluation", "output"},
         {"model", "inputs", "calibration"},
@@ -254,10 +266,46 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     return Recipe(recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed)
 
 
+def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
+    """Merge a `base:` preset (e.g. configs/int8-entropy.yaml) under this recipe's own keys.
+
+    Presets hold only settings (calibration method, target, op types), never paths, so they can
+    be shared by recipes in any folder; the recipe's own values win key by key.
+    """
+    if not isinstance(raw, dict) or "base" not in raw:
+        return raw
+    base_path = (chain[-1].parent / reader.string(raw["base"], "base")).resolve()
+    if not base_path.is_file():
+        raise reader.fail("base", f"file not found: {base_path}")
+    if base_path in chain:
+        raise reader.fail("base", f"presets include each other in a loop: {base_path}")
+    try:
+        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise reader.fail("base", f"{base_path}: malformed YAML: {exc}") from None
+    if not isinstance(base, dict):
+        raise reader.fail("base", f"{base_path}: a preset must be a mapping")
+    base = _apply_base(reader, base, [*chain, base_path])
+    own = {key: value for key, value in raw.items() if key != "base"}
+    return _deep_merge(base, own)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _read_model(reader: _Reader, raw: Any) -> ModelSpec:
     reader.mapping(raw, "model", {"onnx", "pytorch", "weights", "opset"})
     if ("onnx" in raw) == ("pytorch" in raw):
-        raise reader.fail("model", "give exactly one of 'onnx' (a file) or 'pytorch' (file.py:factory)")
+        raise reader.fail(
+            "model", "give exactly one of 'onnx' (a file) or 'pytorch' (file.py:factory)"
+        )
     if "weights" in raw and "pytorch" not in raw:
         raise reader.fail("model.weights", "only applies to a 'pytorch' model")
     opset = reader.integer(raw.get("opset", 17), "model.opset", minimum=17)
@@ -289,7 +337,9 @@ def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
     kinds = {"npz", "npy", "images", "python", "synthetic"}
     reader.mapping(raw, where, kinds | {"labels", "samples"})
     chosen = [k for k in ("npz", "npy", "images", "python") if k in raw]
-    synthetic = reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
+    synthetic = (
+        reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
+    )
     if synthetic:
         chosen.append("synthetic")
     if len(chosen) != 1:
@@ -372,6 +422,8 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
     op_types = reader.string_list(
         raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
     )
+    for index, op_type in enumerate(op_types):
+        reader.choice(op_type, f"quantization.op_types[{index}]", SUPPORTED_OP_TYPES)
     return QuantizationSpec(
         target=reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS),
         per_channel=reader.boolean(raw.get("per_channel", True), "quantization.per_channel"),

@@ -64,7 +64,9 @@ def build_report(
                             "tensor": name,
                             "role": "weight",
                             "dtype": "int8",
-                            "granularity": "per-channel" if params.axis is not None else "per-tensor",
+                            "granularity": "per-channel"
+                            if params.axis is not None
+                            else "per-tensor",
                             "axis": params.axis,
                             "scale": _floats(params.scale),
                             "method": "minmax (symmetric)",

@@ -145,9 +145,9 @@ def test_cnn_prepared_matches_original_and_torch(cnn) -> None:
     np.testing.assert_allclose(_run(model, x), want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-5, atol=1e-6)
     _assert_prepared_invariants(prepared)
-    # The export had work to do: weight aliases, inline constants, a constant reshape-target chain
-    # (the static batch size is traced as a Constant) and a weight transpose.
-    assert {"Identity", "Constant", "Concat", "Transpose"} <= set(_ops(model))
+    # The export had work to do: inline constants, a constant reshape-target chain (the static
+    # batch size is traced as a Constant) and a weight transpose.
+    assert {"Constant", "Concat", "Transpose"} <= set(_ops(model))
     assert not {"Concat", "Unsqueeze", "Transpose"} & set(_ops(prepared))
 
 
@@ -194,14 +194,17 @@ def test_encoder_prepared_matches_and_3d_matmuls_stay(encoder) -> None:
 
     types = tensor_types(prepared)
     after = {n.name: n for n in prepared.graph.node}
-    rank3 = [n for n in model.graph.node if n.op_type == "MatMul"]
-    assert len(rank3) >= 6
-    for mm in rank3:
-        node = after[mm.name]
-        assert node.op_type == "MatMul", mm.name
-        assert len(types[node.input[0]][1]) >= 3 or node.input[1] not in {
-            i.name for i in prepared.graph.initializer
-        }
+    inits = {i.name for i in prepared.graph.initializer}
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert len(matmuls) >= 6
+    for mm in matmuls:
+        assert after[mm.name].op_type == "MatMul", mm.name
+        assert len(types[after[mm.name].input[0]][1]) >= 3, mm.name
+    # The 3-D projections are MatMul + constant-bias Add: the pattern that must NOT become Gemm.
+    adds = [n for n in prepared.graph.node if n.op_type == "Add"]
+    biased = {a.input[0] for a in adds if a.input[1] in inits}
+    biased |= {a.input[1] for a in adds if a.input[0] in inits}
+    assert sum(after[mm.name].output[0] in biased for mm in matmuls) >= 4
     for gemm in (n for n in prepared.graph.node if n.op_type == "Gemm"):
         assert len(types[gemm.input[0]][1]) == 2
     # Every standard compute layer of the export survives under its module-path name.

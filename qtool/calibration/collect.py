@@ -48,7 +48,9 @@ def collect_statistics(
     threads: int | None = None,
 ) -> list[TensorStats]:
     """Statistics for each of `tensors`, in the given order."""
-    session = create_session(with_extra_outputs(model, tensors).SerializeToString(), threads=threads)
+    session = create_session(
+        with_extra_outputs(model, tensors).SerializeToString(), threads=threads
+    )
     observers = [HistogramObserver(name, bins * 2, device=device) for name in tensors]
     columns = (
         TextColumn("calibrating"),
@@ -61,7 +63,7 @@ def collect_statistics(
         task = bar.add_task("calibrate", total=total_samples)
         for batch in batches:
             values = session.run(tensors, batch.inputs)
-            for observer, array in zip(observers, values):
+            for observer, array in zip(observers, values, strict=True):
                 observer.update(array)
             bar.advance(task, len(batch))
     return [observer.result() for observer in observers]

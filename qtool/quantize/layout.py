@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto
 
-from qtool.recipe import QuantizationSpec
+from qtool.recipe import SUPPORTED_OP_TYPES, QuantizationSpec
 
+SUPPORTED_OPS = frozenset(SUPPORTED_OP_TYPES)
 WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
 # Ops whose ORT QLinear form needs a quantized output as well as quantized inputs.
-OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "Add", "Mul", "Concat", "GlobalAveragePool", "AveragePool"})
-SUPPORTED_OPS = WEIGHTED_OPS | OUTPUT_QUANTIZED_OPS
+OUTPUT_QUANTIZED_OPS = (SUPPORTED_OPS - WEIGHTED_OPS) | {"Conv"}
 # Ops that move or select values without creating new ones: the output range is the input range.
 PASSTHROUGH_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool"})
 
@@ -125,9 +125,7 @@ def _excluded_by(name: str, patterns: tuple[str, ...]) -> str | None:
     return None
 
 
-def plan_layout(
-    model: onnx.ModelProto, spec: QuantizationSpec, float_tensors: set[str]
-) -> Layout:
+def plan_layout(model: onnx.ModelProto, spec: QuantizationSpec, float_tensors: set[str]) -> Layout:
     """Decide every node's precision and the QDQ slots; `model` must be prepared (typed)."""
     graph = _Graph(model, float_tensors)
     layout = Layout()
@@ -221,7 +219,9 @@ def _weighted_node(
         bias_ok = bool(bias) and graph.is_float_constant(bias)
         if bias_ok:
             bias_dims = list(graph.initializers[bias].dims)
-            alpha_beta_default = _float_attr(node, "alpha") == 1.0 and _float_attr(node, "beta") == 1.0
+            alpha_beta_default = (
+                _float_attr(node, "alpha") == 1.0 and _float_attr(node, "beta") == 1.0
+            )
             bias_ok = bias_dims == [channels] and alpha_beta_default
     else:  # Conv
         axis = 0

@@ -69,7 +69,9 @@ def quantize_weight(weight: np.ndarray, axis: int | None, device: str = "cpu") -
 
 def quantize_bias(bias: np.ndarray, input_scale: np.float32, weight_scale: np.ndarray) -> tuple:
     """int32 bias and its scale (input scale x weight scale, per channel when the weight is)."""
-    scale = (np.float32(input_scale) * np.asarray(weight_scale, dtype=np.float32)).astype(np.float32)
+    scale = (np.float32(input_scale) * np.asarray(weight_scale, dtype=np.float32)).astype(
+        np.float32
+    )
     scale = np.maximum(scale, _MIN_SCALE)
     limit = np.iinfo(np.int32)
     values = np.clip(np.round(np.asarray(bias, np.float64) / scale), limit.min, limit.max)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 import onnx
@@ -252,11 +253,46 @@ def _static_shape(t: onnx.TypeProto | None) -> list[int] | None:
     return [int(d.dim_value) for d in dims]
 
 
+class _Constants:
+    """Constant tensors by name, decoded to numpy only when a fold reads them.
+
+    Decoding every weight up front would copy the whole model once per folding round; most
+    weights feed Conv/MatMul nodes that never fold.
+    """
+
+    def __init__(self, initializers: Iterable[onnx.TensorProto]) -> None:
+        self._protos = {t.name: t for t in initializers}
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._arrays or name in self._protos
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self._protos[name])
+        return self._arrays[name]
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        self._arrays[name] = value
+
+    def shape(self, name: str) -> list[int] | None:
+        if name in self._arrays:
+            return list(self._arrays[name].shape)
+        return [int(d) for d in self._protos[name].dims] if name in self._protos else None
+
+    def nbytes(self, name: str) -> int:
+        if name in self._arrays:
+            return int(self._arrays[name].nbytes)
+        proto = self._protos[name]
+        itemsize = helper.tensor_dtype_to_np_dtype(proto.data_type).itemsize
+        return int(np.prod(proto.dims, dtype=np.int64)) * itemsize
+
+
 def _fold_constants(
     graph: onnx.GraphProto, opsets: dict[str, int], types: dict[str, onnx.TypeProto]
 ) -> bool:
     """Replace nodes computable from constants by initializers; True when anything changed."""
-    consts: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    consts = _Constants(graph.initializer)
     graph_outputs = {o.name for o in graph.output}
     kept: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
@@ -266,7 +302,7 @@ def _fold_constants(
             kept.append(node)
             continue
         for name, value in zip(node.output, values, strict=True):
-            consts[name] = value
+            consts.add(name, value)
             new_inits.append(numpy_helper.from_array(value, name))
     if not new_inits:
         return False
@@ -282,7 +318,7 @@ def _fold_constants(
 
 def _try_fold(
     node: onnx.NodeProto,
-    consts: dict[str, np.ndarray],
+    consts: _Constants,
     opsets: dict[str, int],
     types: dict[str, onnx.TypeProto],
 ) -> list[np.ndarray] | None:
@@ -291,13 +327,13 @@ def _try_fold(
     if any(a.type in _GRAPH_ATTRS for a in node.attribute):
         return None
     if node.op_type in ("Shape", "Size"):
-        shape = consts[node.input[0]].shape if node.input[0] in consts else None
-        shape = list(shape) if shape is not None else _static_shape(types.get(node.input[0]))
+        shape = consts.shape(node.input[0])
+        shape = shape if shape is not None else _static_shape(types.get(node.input[0]))
         return None if shape is None else [_shape_value(node, shape)]
     inputs = [n for n in node.input if n]
     if not all(n in consts for n in inputs):
         return None
-    in_bytes = sum(consts[n].nbytes for n in inputs)
+    in_bytes = sum(consts.nbytes(n) for n in inputs)
     # A Constant node is a weight written inline: it always becomes an initializer.
     limit = node.op_type != "Constant"
     for out in node.output if limit else ():
@@ -327,7 +363,7 @@ def _shape_value(node: onnx.NodeProto, shape: list[int]) -> np.ndarray:
 
 
 def _evaluate(
-    node: onnx.NodeProto, consts: dict[str, np.ndarray], opsets: dict[str, int]
+    node: onnx.NodeProto, consts: _Constants, opsets: dict[str, int]
 ) -> list[np.ndarray]:
     inputs = [n for n in node.input if n]
     sub = helper.make_graph(

@@ -53,7 +53,9 @@ def write_qdq_model(
         )
         rename[name] = f"{name}_dequantized"
         head_nodes.append(
-            _dequantize_node(f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], params.axis)
+            _dequantize_node(
+                f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], params.axis
+            )
         )
     for name in sorted(biases):
         params = biases[name]
@@ -76,13 +78,20 @@ def write_qdq_model(
         params = activations[tensor]
         scale, zero = f"{tensor}_scale", f"{tensor}_zero_point"
         quantized, dequantized = f"{tensor}_quantized", f"{tensor}_dequantized"
-        new_initializers.append(numpy_helper.from_array(np.asarray(params.scale, np.float32), scale))
+        new_initializers.append(
+            numpy_helper.from_array(np.asarray(params.scale, np.float32), scale)
+        )
         new_initializers.append(numpy_helper.from_array(np.asarray(params.zero_point), zero))
         nodes = [
             helper.make_node(
-                "QuantizeLinear", [slot.source, scale, zero], [quantized], name=f"{tensor}_QuantizeLinear"
+                "QuantizeLinear",
+                [slot.source, scale, zero],
+                [quantized],
+                name=f"{tensor}_QuantizeLinear",
             ),
-            _dequantize_node(f"{tensor}_DequantizeLinear", [quantized, scale, zero], dequantized, None),
+            _dequantize_node(
+                f"{tensor}_DequantizeLinear", [quantized, scale, zero], dequantized, None
+            ),
         ]
         pairs_after.setdefault(slot.source, []).extend(nodes)
         rename[tensor] = dequantized
