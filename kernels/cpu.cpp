@@ -53,6 +53,43 @@ int build_prefix(const int64_t* hist, int64_t nbins, std::vector<int64_t>& prefi
   return prefix[nbins] > 0 ? QT_OK : QT_ERR_NO_COUNTS;
 }
 
+// Min/max of x[0:n] in kLanes independent accumulators: the fixed-width inner loop is what
+// g++ turns into SIMD (a single conditional reduction chain is not vectorised without
+// -ffast-math, which would break NaN handling).
+QtMinMax minmax_range(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float mn[kLanes], mx[kLanes];
+  int32_t nf[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    mn[l] = INFINITY;
+    mx[l] = -INFINITY;
+    nf[l] = 0;
+  }
+  QtMinMax acc = qt_minmax_init();
+  int64_t k = 0;
+  while (k + kLanes <= n) {
+    // flush the int32 lane counters before they could overflow
+    const int64_t stop = std::min(n - (n - k) % kLanes, k + int64_t(kLanes) * (1 << 30));
+    for (; k < stop; k += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        qt_minmax_step(x[k + l], mn[l], mx[l], nf[l]);
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      acc.nonfinite += nf[l];
+      nf[l] = 0;
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    QtMinMax lane = qt_minmax_init();
+    lane.mn = mn[l];
+    lane.mx = mx[l];
+    qt_minmax_merge(acc, lane);
+  }
+  for (; k < n; ++k) qt_minmax_update(acc, x[k]);
+  return acc;
+}
+
 int64_t argmin(const std::vector<double>& v) {
   int64_t best = 0;
   for (int64_t k = 1; k < static_cast<int64_t>(v.size()); ++k) {
@@ -83,9 +120,7 @@ int qt_cpu_tensor_minmax(const float* x, int64_t n, float* out_min, float* out_m
   const int workers = thread_count(n);
   std::vector<QtMinMax> parts(workers, qt_minmax_init());
   parallel_chunks(n, workers, [&](int64_t b, int64_t e, int w) {
-    QtMinMax acc = qt_minmax_init();
-    for (int64_t k = b; k < e; ++k) qt_minmax_update(acc, x[k]);
-    parts[w] = acc;
+    parts[w] = minmax_range(x + b, e - b);
   });
   QtMinMax total = qt_minmax_init();
   for (const auto& p : parts) qt_minmax_merge(total, p);
@@ -100,10 +135,7 @@ int qt_cpu_channel_minmax(const float* x, int64_t channels, int64_t inner, float
   const int workers = std::min<int64_t>(thread_count(channels * inner), channels);
   parallel_chunks(channels, workers, [&](int64_t b, int64_t e, int) {
     for (int64_t c = b; c < e; ++c) {
-      QtMinMax acc = qt_minmax_init();
-      const float* row = x + c * inner;
-      for (int64_t k = 0; k < inner; ++k) qt_minmax_update(acc, row[k]);
-      qt_minmax_finish(acc, out_min + c, out_max + c);
+      qt_minmax_finish(minmax_range(x + c * inner, inner), out_min + c, out_max + c);
     }
   });
   return QT_OK;

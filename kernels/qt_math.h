@@ -32,12 +32,12 @@ QT_HD inline bool qt_isfinite(float v) { return (v - v) == 0.0f; }
 // min / max
 // ---------------------------------------------------------------------------------------------
 
-// Accumulator for min/max that skips non-finite values and counts them.
+// Accumulator for min/max that skips non-finite values and counts them. No value was finite
+// while mn > mx (the initial +inf / -inf stay). Branch-free updates let the compiler vectorise.
 struct QtMinMax {
   float mn;
   float mx;
   int64_t nonfinite;
-  int64_t finite;
 };
 
 QT_HD inline QtMinMax qt_minmax_init() {
@@ -45,31 +45,32 @@ QT_HD inline QtMinMax qt_minmax_init() {
   a.mn = INFINITY;
   a.mx = -INFINITY;
   a.nonfinite = 0;
-  a.finite = 0;
   return a;
 }
 
+// Scalar form, so host loops can keep per-lane accumulators in registers (vectorised by g++).
+template <typename Count>
+QT_HD inline void qt_minmax_step(float v, float& mn, float& mx, Count& nonfinite) {
+  const bool finite = qt_isfinite(v);
+  mn = (finite && v < mn) ? v : mn;
+  mx = (finite && v > mx) ? v : mx;
+  nonfinite += finite ? 0 : 1;
+}
+
 QT_HD inline void qt_minmax_update(QtMinMax& a, float v) {
-  if (qt_isfinite(v)) {
-    a.mn = v < a.mn ? v : a.mn;
-    a.mx = v > a.mx ? v : a.mx;
-    a.finite += 1;
-  } else {
-    a.nonfinite += 1;
-  }
+  qt_minmax_step(v, a.mn, a.mx, a.nonfinite);
 }
 
 QT_HD inline void qt_minmax_merge(QtMinMax& a, const QtMinMax& b) {
   a.mn = b.mn < a.mn ? b.mn : a.mn;
   a.mx = b.mx > a.mx ? b.mx : a.mx;
   a.nonfinite += b.nonfinite;
-  a.finite += b.finite;
 }
 
 // Writes NaN for both ends when no finite value was seen: a range cannot be derived from it and
 // the caller decides whether that is an error (it knows the tensor name).
 QT_HD inline void qt_minmax_finish(const QtMinMax& a, float* out_min, float* out_max) {
-  if (a.finite == 0) {
+  if (a.mn > a.mx) {
     *out_min = NAN;
     *out_max = NAN;
   } else {

@@ -46,8 +46,15 @@ def iter_batches(
     pending_count = 0
     produced = 0
     sample_index = 0
+    labelled: bool | None = None
     for chunk in chunks:
         _validate(chunk, inputs, spec.where, sample_index)
+        if labelled is None:
+            labelled = chunk.labels is not None
+        elif labelled != (chunk.labels is not None):
+            raise DataError(
+                f"{spec.where}: some batches have labels and others do not (sample {sample_index})"
+            )
         sample_index += len(chunk)
         if max_samples is not None:
             room = max_samples - produced - pending_count
@@ -75,9 +82,14 @@ def count_samples_hint(spec: DataSpec, max_samples: int | None) -> int | None:
     """Number of samples when cheaply known (for progress bars); None when the source streams."""
     total: int | None = None
     if spec.npz is not None:
-        with np.load(spec.npz) as archive:
-            first = next((k for k in archive.files if k != "labels"), None)
-            total = None if first is None else int(archive[first].shape[0])
+        import zipfile
+
+        try:
+            with zipfile.ZipFile(spec.npz) as archive:
+                first = next((n for n in archive.namelist() if n != "labels.npy"), None)
+                total = None if first is None else _NpyStream(archive, first, spec.npz).rows
+        except (OSError, zipfile.BadZipFile):
+            total = None  # iter_batches reports the unreadable file with its reason
     elif spec.npy is not None:
         first_path = next(iter(spec.npy.values()))
         total = int(np.load(first_path, mmap_mode="r").shape[0])
@@ -162,20 +174,65 @@ def _source_chunks(spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int) -> 
 
 
 def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterator[Batch]:
+    """Stream an .npz member by member, `_CHUNK` samples at a time, never loading whole arrays.
+
+    np.load reads an .npz member completely, so a large calibration file would make memory grow
+    with the sample count; reading the .npy header and then row blocks from the zip stream keeps
+    it flat (compressed or not).
+    """
+    import zipfile
+
     try:
-        archive = np.load(path, allow_pickle=False)
-    except Exception as exc:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
     with archive:
+        members = {name.removesuffix(".npy"): name for name in archive.namelist()}
         names = [i.name for i in inputs]
         for name in names:
-            if name not in archive.files:
-                raise DataError(
-                    f"{path}: has no array '{name}' (arrays: {', '.join(archive.files)})"
-                )
-        arrays = {n: archive[n] for n in names}
-        labels = archive["labels"] if "labels" in archive.files else None
-    yield Batch(arrays, labels)
+            if name not in members:
+                known = ", ".join(sorted(members))
+                raise DataError(f"{path}: has no array '{name}' (arrays: {known})")
+        wanted = names + (["labels"] if "labels" in members else [])
+        streams = {n: _NpyStream(archive, members[n], path) for n in wanted}
+        total = min(stream.rows for stream in streams.values())
+        if len({stream.rows for stream in streams.values()}) != 1:
+            counts = {n: stream.rows for n, stream in streams.items()}
+            raise DataError(f"{path}: arrays have different sample counts {counts}")
+        for start in range(0, total, _CHUNK):
+            count = min(_CHUNK, total - start)
+            arrays = {n: streams[n].read(count) for n in wanted}
+            labels = arrays.pop("labels", None)
+            yield Batch(arrays, labels)
+
+
+_CHUNK = 64
+
+
+class _NpyStream:
+    """Row-block reader over one .npy member of a zip archive."""
+
+    def __init__(self, archive, member: str, path: Path) -> None:
+        self.handle = archive.open(member)
+        try:
+            version = np.lib.format.read_magic(self.handle)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(self.handle)
+        except ValueError as exc:
+            raise DataError(f"{path}: member {member} is not a .npy array ({exc})") from None
+        if fortran or dtype.hasobject or not shape:
+            raise DataError(f"{path}: member {member} must be a C-ordered numeric array")
+        self.shape, self.dtype = shape, dtype
+        self.rows = shape[0]
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+
+    def read(self, count: int) -> np.ndarray:
+        data = self.handle.read(count * self.row_bytes)
+        return np.frombuffer(data, dtype=self.dtype).reshape(count, *self.shape[1:]).copy()
 
 
 def _npy_chunks(spec: DataSpec, where: str) -> Iterator[Batch]:

@@ -62,7 +62,13 @@ def collect_statistics(
     with Progress(*columns, disable=not progress, transient=True) as bar:
         task = bar.add_task("calibrate", total=total_samples)
         for batch in batches:
-            values = session.run(tensors, batch.inputs)
+            try:
+                values = session.run(tensors, batch.inputs)
+            except Exception as exc:  # ORT raises its own exception types for bad feeds
+                message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise CalibrationError(
+                    f"ONNX Runtime failed on a calibration batch: {message}"
+                ) from None
             for observer, array in zip(observers, values, strict=True):
                 observer.update(array)
             bar.advance(task, len(batch))

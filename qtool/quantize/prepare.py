@@ -5,13 +5,15 @@ where shape arithmetic has been folded away (so no QDQ pair lands on it), where 
 known element type, and where 2-D MatMul+Add pairs are a single Gemm (the pattern ONNX Runtime fuses
 into QGemm). Torch exporters emit none of that directly.
 
-Why a folder of our own on top of `onnx.reference` instead of ONNX Runtime's BASIC optimisation
-level (what `quant_pre_process` uses): ORT's level-1 pass list also rewrites the graph in ways we
-must control — it fuses MatMul+Add into Gemm for 3-D inputs by inserting Reshapes, fuses Conv+Add/
-Mul/BatchNorm, shares and renames initializers, renames fused nodes — and the list changes between
-ORT releases, so node names that recipe overrides refer to and the byte-for-byte output would depend
-on the installed ORT. `onnx.reference` evaluates one standard node at a time with numpy, follows
-the ONNX spec for the model's own opset, and lets us decide exactly which nodes disappear.
+Why a folder of our own instead of ONNX Runtime's BASIC optimisation level (what
+`quant_pre_process` uses): ORT's level-1 pass list also rewrites the graph in ways we must control —
+it fuses MatMul+Add into Gemm for 3-D inputs by inserting Reshapes, fuses Conv+Add/Mul/BatchNorm,
+shares and renames initializers, renames fused nodes — and the list changes between ORT releases,
+so node names that recipe overrides refer to and the byte-for-byte output would depend on the
+installed ORT. Here we decide which nodes disappear and only ask ORT to *evaluate* one standard
+node at a time on the CPU provider, so folded values are exactly what ORT computes at run time.
+(`onnx.reference` was tried first and rejected: its GatherElements fails on the position-id gather
+that the dynamo exporter emits for BERT.)
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper, shape_inference, version_converter
-from onnx.reference import ReferenceEvaluator
 
 from qtool.errors import ModelError
 
@@ -213,9 +215,7 @@ def _remove_identities(graph: onnx.GraphProto) -> None:
     graph.node.extend(kept)
 
 
-def _rename_tensor(
-    graph: onnx.GraphProto, nodes: list[onnx.NodeProto], old: str, new: str
-) -> None:
+def _rename_tensor(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], old: str, new: str) -> None:
     for node in nodes:
         for i, name in enumerate(node.output):
             if name == old:
@@ -301,7 +301,7 @@ def _fold_constants(
         if values is None or any(o in graph_outputs for o in node.output):
             kept.append(node)
             continue
-        for name, value in zip(node.output, values, strict=True):
+        for name, value in zip([o for o in node.output if o], values, strict=True):
             consts.add(name, value)
             new_inits.append(numpy_helper.from_array(value, name))
     if not new_inits:
@@ -342,7 +342,7 @@ def _try_fold(
             return None
     try:
         values = _evaluate(node, consts, opsets)
-    except Exception as exc:  # onnx.reference lacks a few ops/attribute combinations
+    except Exception as exc:  # e.g. an op this ORT build has no CPU kernel for
         _log.warning("not folding %s (%s): %s", node.name or node.output[0], node.op_type, exc)
         return None
     if limit and any(_too_big(v.nbytes, in_bytes) for v in values):
@@ -362,19 +362,33 @@ def _shape_value(node: onnx.NodeProto, shape: list[int]) -> np.ndarray:
     return np.array(shape[attrs.get("start", 0) : attrs.get("end", len(shape))], dtype=np.int64)
 
 
-def _evaluate(
-    node: onnx.NodeProto, consts: _Constants, opsets: dict[str, int]
-) -> list[np.ndarray]:
-    inputs = [n for n in node.input if n]
-    sub = helper.make_graph(
-        [node],
-        "fold",
-        [helper.make_empty_tensor_value_info(n) for n in dict.fromkeys(inputs)],
-        [helper.make_empty_tensor_value_info(n) for n in node.output],
+def _evaluate(node: onnx.NodeProto, consts: _Constants, opsets: dict[str, int]) -> list[np.ndarray]:
+    """Run one node in ONNX Runtime (CPU): folded values are exactly what ORT would compute."""
+    feeds = {n: consts[n] for n in dict.fromkeys(n for n in node.input if n)}
+    opset = [helper.make_opsetid("", opsets.get("", opsets.get("ai.onnx", 0)))]
+    sub = helper.make_model(
+        helper.make_graph(
+            [node],
+            "fold",
+            [
+                helper.make_tensor_value_info(
+                    n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)
+                )
+                for n, a in feeds.items()
+            ],
+            [helper.make_empty_tensor_value_info(o) for o in node.output if o],
+        ),
+        opset_imports=opset,
+        ir_version=helper.find_min_ir_version_for(opset),
     )
-    evaluator = ReferenceEvaluator(sub, opsets=opsets)
-    results = evaluator.run(None, {n: consts[n] for n in inputs})
-    return [np.asarray(r) for r in results]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        sub.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return [np.asarray(r) for r in session.run(None, feeds)]
 
 
 def _remove_dead(graph: onnx.GraphProto) -> bool:
