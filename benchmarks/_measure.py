@@ -2,8 +2,8 @@
 
 Each tool runs in its own process so that its wall time includes the cost a user pays (interpreter
 start, imports, model load) and so that its peak RSS is its own: `os.wait4` returns the child's
-rusage, whose ru_maxrss is the high-water mark of that process alone, sampled by the kernel (no
-polling, nothing missed between samples, no psutil dependency).
+rusage, whose ru_maxrss is the kernel's high-water mark of that process (no polling, nothing
+missed between samples, no psutil dependency). See run_measured for why a launcher is needed.
 
 The child entries (`python -m benchmarks._measure ort-preprocess|ort-quantize|latency ...`) live
 here rather than in calibration.py because that module imports torch (to export the models): a
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,42 +49,66 @@ def _last_line(path: Path) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
-def run_measured(cmd: list[str], log: Path, timeout_s: float, cwd: Path | None = None) -> Measured:
-    """Run `cmd`, wait with `os.wait4` for its rusage, kill its whole session on timeout.
+# Run by `python -S -c` (no site imports, ~10 MB): spawns the command in its own session with
+# stdout+stderr to the log, reaps it with wait4, kills the session on timeout, prints one JSON line.
+_LAUNCHER = """
+import json, os, signal, sys, time
+timeout, log, cwd, cmd = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+os.chdir(cwd)
+acts = [(os.POSIX_SPAWN_OPEN, 1, log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+        (os.POSIX_SPAWN_DUP2, 1, 2)]
+t0 = time.perf_counter()
+pid = os.posix_spawnp(cmd[0], cmd, os.environ, file_actions=acts, setsid=True)
+timed_out = False
+while True:
+    done, status, ru = os.wait4(pid, os.WNOHANG)
+    if done == pid:
+        break
+    if time.perf_counter() - t0 > timeout:
+        timed_out = True
+        os.killpg(pid, signal.SIGKILL)
+        _, status, ru = os.wait4(pid, 0)
+        break
+    time.sleep(0.02)
+print(json.dumps({"wall_s": time.perf_counter() - t0, "rc": os.waitstatus_to_exitcode(status),
+                  "maxrss_kb": ru.ru_maxrss, "timed_out": timed_out}))
+"""
 
-    stdout and stderr go to `log` (ORT's calibrator prints a line per tensor; a pipe could fill
-    and block the child). The child gets its own session so a timeout kills any grandchildren too.
+
+def run_measured(cmd: list[str], log: Path, timeout_s: float, cwd: Path | None = None) -> Measured:
+    """Run `cmd` through a minimal launcher process and return its time and peak RSS.
+
+    Why the launcher: Linux carries a process's RSS high-water mark across fork and exec, so a
+    child forked straight from this (torch-importing, model-exporting) process would report at
+    least this process's RSS as its own peak. The launcher is a bare `python -S` (~10 MB), so
+    what leaks into the child's ru_maxrss is below a bare interpreter's own footprint. The
+    child's output goes to `log` (ORT's calibrator prints a lot; a pipe could fill and block).
     """
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as fh:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
-        )
-        deadline = t0 + timeout_s
-        timed_out = False
-        while True:
-            pid, wstatus, rusage = os.wait4(proc.pid, os.WNOHANG)
-            if pid == proc.pid:
-                break
-            if time.perf_counter() > deadline:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                _, wstatus, rusage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.02)
-        wall = time.perf_counter() - t0
-    rc = os.waitstatus_to_exitcode(wstatus)
-    proc.returncode = rc  # reaped by wait4; tell Popen so it does not try again
-    peak_mb = rusage.ru_maxrss / 1024.0  # Linux reports KiB
-    if timed_out:
+    launcher = [
+        sys.executable,
+        "-S",
+        "-c",
+        _LAUNCHER,
+        str(timeout_s),
+        str(log.resolve()),
+        str((cwd or Path.cwd()).resolve()),
+        *cmd,
+    ]
+    done = subprocess.run(launcher, capture_output=True, text=True, timeout=timeout_s + 120)
+    if done.returncode != 0:
+        err = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Measured(f"failed: launcher: {err[:200]}", 0.0, 0.0, None, str(log))
+    r = json.loads(done.stdout)
+    rc = r["rc"]
+    if r["timed_out"]:
         status = f"timeout after {timeout_s:.0f} s"
     elif rc != 0:
         reason = f"signal {-rc}" if rc < 0 else _last_line(log)
         status = f"failed: {reason}"
     else:
         status = "ok"
-    return Measured(status, wall, peak_mb, rc, str(log))
+    return Measured(status, r["wall_s"], r["maxrss_kb"] / 1024.0, rc, str(log))
 
 
 # --------------------------------------------------------------------------- child entries

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -131,9 +132,10 @@ def _expect_file(m: Measured, path: Path) -> Measured:
 
 
 def run_qtool(model: BenchModel, data: Path, method: str, run_dir: Path, timeout: float) -> dict:
+    # A clean output folder: a stats file left by an earlier run must not be reused.
+    shutil.rmtree(run_dir / "qtool", ignore_errors=True)
     recipe = write_recipe(model, data, method, run_dir)
     cmd = [*qtool_command(), "quantize", str(recipe)]
-    _fresh(run_dir / "qtool" / "model.int8.onnx")
     m = run_measured(cmd, run_dir / "qtool.log", timeout, cwd=REPO)
     out = run_dir / "qtool" / "model.int8.onnx"
     return {**_expect_file(m, out).to_dict(), "cmd": cmd, "model_out": str(out)}

@@ -7,7 +7,8 @@
 // libqtool_cpu.so exports qt_cpu_*; pointers are host pointers.
 // libqtool_cuda.so exports qt_cuda_*; data pointers are device pointers (allocate with
 // qt_cuda_malloc), `stream` is a cudaStream_t or NULL for the default stream; results are ready
-// after qt_cuda_stream_sync(stream).
+// after qt_cuda_stream_sync(stream). The CUDA searches cannot report data errors without a
+// synchronisation: callers check histograms (non-negative, positive total) on the host first.
 #ifndef QTOOL_KERNELS_H
 #define QTOOL_KERNELS_H
 

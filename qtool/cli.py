@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from qtool import __version__
 from qtool.errors import QtoolError
@@ -43,7 +44,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except QtoolError as exc:
-            errors.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=exc.exit_code) from None
 
     return wrapper
@@ -233,7 +234,7 @@ def doctor() -> None:
         f"ORT providers: {', '.join(onnxruntime.get_available_providers())}", highlight=False
     )
     for name, state in kernels.backends().items():
-        console.print(f"kernels[{name}]: {state}", highlight=False)
+        console.print(f"kernels[{name}]: {state}", highlight=False, markup=False)
     console.print(f"default device: {kernels.default_device()}", highlight=False)
 
 

@@ -170,7 +170,9 @@ def _source_chunks(spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int) -> 
         return _image_chunks(spec.images, spec.where)
     if spec.python is not None:
         return _python_chunks(spec.python, spec.where)
-    return _synthetic_chunks(inputs, spec.samples, seed)
+    if spec.synthetic:
+        return _synthetic_chunks(inputs, spec.samples, seed)
+    raise DataError(f"{spec.where}: no data source given")
 
 
 def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterator[Batch]:

@@ -30,3 +30,7 @@ class KernelError(QtoolError):
 
 class CalibrationError(QtoolError):
     """Statistics cannot be collected or the stats file does not match the model."""
+
+
+class OutputError(QtoolError):
+    """An output file or folder cannot be written (a file in the way, no permission, disk full)."""

@@ -6,12 +6,17 @@ import os
 import tempfile
 from pathlib import Path
 
+from qtool.errors import OutputError
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the target folder, then rename it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write output ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -19,9 +24,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            raise OutputError(f"{path}: cannot write output ({exc.strerror or exc})") from None
         raise
 
 

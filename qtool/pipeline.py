@@ -54,7 +54,7 @@ class QuantizeResult:
 
 
 def prepare(recipe: Recipe) -> PreparedModel:
-    """Load, export if needed, prepare, and plan the QDQ layout; writes the float model."""
+    """Load, export if needed, prepare, and plan the QDQ layout (nothing is written yet)."""
     model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=recipe.model.opset)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
@@ -66,7 +66,6 @@ def prepare(recipe: Recipe) -> PreparedModel:
             f"{list(recipe.quantization.op_types)} and the exclude list"
         )
     serialized = model.SerializeToString()
-    atomic_write_bytes(recipe.float_model_path, serialized)
     fingerprint = hashlib.sha256(serialized).hexdigest()
     return PreparedModel(model, serialized, fingerprint, layout)
 
@@ -86,6 +85,7 @@ def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) ->
         progress=progress,
     )
     save_stats(recipe.stats_path, stats, prepared.fingerprint, spec.bins)
+    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     return stats
 
 
@@ -138,6 +138,7 @@ def quantize(
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
     atomic_write_bytes(recipe.quant_model_path, serialized)
+    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     node_inputs = {node.name: list(node.input) for node in prepared.model.graph.node}
     files = {
         "float_model": str(recipe.float_model_path),

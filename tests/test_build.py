@@ -63,8 +63,7 @@ def test_cuda_library_built_when_nvcc_is_available() -> None:
     assert not k.backends()["cuda"].startswith("not built")
 
 
-def test_regular_wheel_build_ships_the_library(tmp_path: Path) -> None:
-    """`pip install .` path: a non-editable, platform-tagged wheel that carries the .so files."""
+def _project_copy(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
@@ -74,25 +73,20 @@ def test_regular_wheel_build_ships_the_library(tmp_path: Path) -> None:
     shutil.copytree(
         ROOT / "qtool", src / "qtool", ignore=shutil.ignore_patterns("_lib", "__pycache__")
     )
-    env = {**os.environ, "QTOOL_NO_CUDA": "1"}  # keep it fast; the skip path is checked too
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path / "dist"),
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    return src
+
+
+def _pip_wheel(src: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    return subprocess.run(
+        [*cmd, "-w", str(out), str(src)], capture_output=True, text=True, env=env, timeout=300
     )
+
+
+def test_regular_wheel_build_ships_the_library(tmp_path: Path) -> None:
+    """`pip install .` path: a non-editable, platform-tagged wheel that carries the .so files."""
+    env = {**os.environ, "QTOOL_NO_CUDA": "1"}  # keep it fast; the skip path is checked too
+    proc = _pip_wheel(_project_copy(tmp_path), tmp_path / "dist", env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("qtool-*.whl")
     assert not wheel.name.endswith("-none-any.whl")
@@ -102,3 +96,18 @@ def test_regular_wheel_build_ships_the_library(tmp_path: Path) -> None:
     assert "qtool/_lib/libqtool_cpu.so" in names
     assert "qtool/_lib/libqtool_cuda.so" not in names
     assert info["cuda"] == {"built": False, "reason": "skipped: QTOOL_NO_CUDA=1"}
+
+
+def test_failing_nvcc_fails_the_build(tmp_path: Path) -> None:
+    """An nvcc that is found but fails must stop the install, not ship a CPU-only package."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    nvcc = fake_bin / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'fake nvcc: simulated compile error' >&2\nexit 3\n")
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "QTOOL_NO_CUDA"}
+    env["PATH"] = f"{fake_bin}{os.pathsep}{env.get('PATH', '')}"
+    proc = _pip_wheel(_project_copy(tmp_path), tmp_path / "dist", env)
+    assert proc.returncode != 0
+    assert "libqtool_cuda.so failed" in proc.stdout + proc.stderr
+    assert "simulated compile error" in proc.stdout + proc.stderr

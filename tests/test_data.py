@@ -63,7 +63,9 @@ def test_npy_source_streams_the_files_in_order(tmp_path: Path) -> None:
     labels = rng.integers(0, 10, 600)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "labels.npy", labels)
-    spec = DataSpec("calibration.data", npy={"x": tmp_path / "x.npy"}, labels=tmp_path / "labels.npy")
+    spec = DataSpec(
+        "calibration.data", npy={"x": tmp_path / "x.npy"}, labels=tmp_path / "labels.npy"
+    )
     batches = list(iter_batches(spec, (InputSpec("x", (1, 1, 3)),), batch_size=100))
     assert [len(b) for b in batches] == [100] * 6
     np.testing.assert_array_equal(np.concatenate([b.inputs["x"] for b in batches]), x)
@@ -79,6 +81,39 @@ def test_npz_source_converts_float_dtype_and_keeps_labels(tmp_path: Path) -> Non
     assert all(b.inputs["x"].dtype == np.float32 for b in batches)
     np.testing.assert_array_equal(np.concatenate([b.inputs["x"] for b in batches]), x)
     np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), np.arange(10))
+
+
+def test_compressed_npz_streams_in_order_across_chunks(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((150, 2, 3)).astype(np.float32)
+    labels = rng.integers(0, 5, 150)
+    np.savez_compressed(tmp_path / "d.npz", labels=labels, x=x, unused=np.zeros(3))
+    spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")
+    batches = list(iter_batches(spec, (InputSpec("x", (1, 2, 3)),), batch_size=40))
+    assert [len(b) for b in batches] == [40, 40, 40, 30]
+    np.testing.assert_array_equal(np.concatenate([b.inputs["x"] for b in batches]), x)
+    np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), labels)
+
+
+def test_npz_arrays_of_different_lengths_are_an_error(tmp_path: Path) -> None:
+    np.savez(tmp_path / "d.npz", x=np.zeros((10, 3), np.float32), labels=np.arange(9))
+    spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")
+    with pytest.raises(DataError, match=r"d\.npz.*different sample counts"):
+        list(iter_batches(spec, VEC, batch_size=4))
+
+
+def test_unreadable_npz_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "d.npz").write_bytes(b"not a zip archive at all")
+    spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")
+    with pytest.raises(DataError, match=r"d\.npz"):
+        list(iter_batches(spec, VEC, batch_size=4))
+
+
+def test_labels_on_some_chunks_only_is_an_error(tmp_path: Path) -> None:
+    body = 'yield {"x": np.zeros((3, 3), np.float32)}, np.arange(3)\n'
+    body += 'yield {"x": np.zeros((3, 3), np.float32)}\n'
+    with pytest.raises(DataError, match=r"calibration\.data: .*labels"):
+        list(iter_batches(python_source(tmp_path, body), VEC, batch_size=4))
 
 
 def test_synthetic_is_seeded_and_sized() -> None:
@@ -157,7 +192,9 @@ def test_image_folder_reads_classes_and_normalises(tmp_path: Path) -> None:
     np.testing.assert_array_equal(labels, expected_labels)
     for sample, fill in zip(pixels, fills, strict=True):
         want = (np.asarray(fill, np.float32) / 255.0 - np.asarray(mean)) / np.asarray(std)
-        np.testing.assert_allclose(sample, np.broadcast_to(want[:, None, None], (3, 4, 6)), atol=1e-6)
+        np.testing.assert_allclose(
+            sample, np.broadcast_to(want[:, None, None], (3, 4, 6)), atol=1e-6
+        )
 
 
 def test_grayscale_image_folder_without_classes_has_no_labels(tmp_path: Path) -> None:

@@ -138,6 +138,11 @@ BAD_RECIPES = {
     ),
     "zero batch size": (_set(MINIMAL, "calibration.batch_size", 0), "calibration.batch_size"),
     "bad shape entry": (_set(MINIMAL, "inputs.x", [1, "four"]), "inputs.x[1]"),
+    "unsupported op type": (
+        _set(MINIMAL, "quantization.op_types", ["Conv", "Relu"]),
+        "quantization.op_types[1]",
+    ),
+    "missing base preset": (_set(MINIMAL, "base", "presets/none.yaml"), "base"),
 }
 
 
@@ -173,3 +178,44 @@ def test_empty_recipe_reports_the_first_missing_required_key(folder: Path) -> No
     path = write(folder, "")
     with pytest.raises(RecipeError, match=r" (calibration|inputs|model): is required"):
         load_recipe(path)
+
+
+def test_base_preset_is_merged_under_the_recipe_key_by_key(folder: Path) -> None:
+    presets = folder / "presets"
+    presets.mkdir()
+    preset = {
+        "calibration": {"method": "percentile", "percentile": 99.5, "batch_size": 8},
+        "quantization": {"target": "tensorrt", "op_types": ["MatMul"]},
+    }
+    write(presets, preset, "p.yaml")
+    recipe = _set(_set(MINIMAL, "base", "presets/p.yaml"), "calibration.batch_size", 4)
+    loaded = load_recipe(write(folder, recipe))
+    assert loaded.calibration.method == "percentile" and loaded.calibration.percentile == 99.5
+    assert loaded.calibration.batch_size == 4  # the recipe's own value wins
+    assert loaded.calibration.data.kind == "synthetic"  # nested keys merge, not replace
+    assert loaded.quantization.target == "tensorrt"
+    assert loaded.quantization.op_types == ("MatMul",)
+    assert loaded.model.onnx == folder / "model.onnx"
+
+
+def test_base_presets_that_include_each_other_are_an_error(folder: Path) -> None:
+    write(folder, {"base": "b.yaml", "seed": 1}, "a.yaml")
+    write(folder, {"base": "a.yaml"}, "b.yaml")
+    path = write(folder, _set(MINIMAL, "base", "a.yaml"))
+    with pytest.raises(RecipeError, match=r" base: .*loop"):
+        load_recipe(path)
+
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_presets_work_as_base(folder: Path, preset: Path) -> None:
+    loaded = load_recipe(write(folder, _set(MINIMAL, "base", str(preset))))
+    settings = yaml.safe_load(preset.read_text())
+    calibration = settings.get("calibration", {})
+    quantization = settings.get("quantization", {})
+    assert loaded.calibration.method == calibration.get("method", "entropy")
+    assert loaded.quantization.target == quantization.get("target", "ort-cpu")
+    if "op_types" in quantization:
+        assert loaded.quantization.op_types == tuple(quantization["op_types"])

@@ -71,5 +71,6 @@ def collect_statistics(
                 ) from None
             for observer, array in zip(observers, values, strict=True):
                 observer.update(array)
+            del values  # free this batch's outputs before ORT allocates the next batch's
             bar.advance(task, len(batch))
     return [observer.result() for observer in observers]

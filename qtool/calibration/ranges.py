@@ -33,7 +33,13 @@ def _search(method: str, hist: np.ndarray, levels: int, percentile: float, devic
     if hist.sum() == 0:
         return float(len(hist))
     if method == "entropy":
-        return float(kernels.kl_threshold_bins(hist, num_levels=levels, device=device))
+        # Exact zeros (everything a Relu clamped) pile into bin 0 and quantize without error, but
+        # the KL search would spend its levels on that spike and pick a far too small threshold;
+        # like NVIDIA's pytorch-quantization, give bin 0 the count of its neighbour instead.
+        flattened = hist.copy()
+        if len(flattened) > 1:
+            flattened[0] = flattened[1]
+        return float(kernels.kl_threshold_bins(flattened, num_levels=levels, device=device))
     if method == "percentile":
         return float(kernels.percentile_bin(hist, percentile))
     if method == "mse":
