@@ -433,7 +433,8 @@ def render_table(result: EvalResult) -> Table:
     table.add_column("quantized", justify="right")
     table.add_column("change", justify="right")
 
-    drop = f"{-result.accuracy_drop_points():+.2f} pts"
+    change = -result.accuracy_drop_points()
+    drop = f"{change + 0.0:+.2f} pts"  # + 0.0 turns -0.0 into 0.0 so no change reads "+0.00"
     labelled = result.has_labels
     table.add_row(
         "accuracy",

@@ -43,30 +43,21 @@ def write_qdq_model(
     head_nodes: list[onnx.NodeProto] = []  # weight/bias DequantizeLinear, placed first
     rename: dict[str, str] = {}  # tensor -> dequantized tensor read by consumers
 
-    for name in sorted(weights):
-        params = weights[name]
-        quant, scale, zero = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
-        new_initializers.append(numpy_helper.from_array(params.values, quant))
-        new_initializers.append(numpy_helper.from_array(params.scale.astype(np.float32), scale))
-        new_initializers.append(
-            numpy_helper.from_array(np.zeros(params.scale.shape, dtype=np.int8), zero)
-        )
-        rename[name] = f"{name}_dequantized"
-        head_nodes.append(
-            _dequantize_node(
-                f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], params.axis
-            )
-        )
+    constants = [
+        (name, weights[name].values, weights[name].scale, weights[name].axis)
+        for name in sorted(weights)
+    ]
     for name in sorted(biases):
-        params = biases[name]
+        scale = biases[name].scale
+        constants.append((name, biases[name].values, scale, 0 if scale.ndim == 1 else None))
+    for name, values, scale_values, axis in constants:
         quant, scale, zero = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
-        new_initializers.append(numpy_helper.from_array(params.values, quant))
-        new_initializers.append(numpy_helper.from_array(params.scale.astype(np.float32), scale))
+        new_initializers.append(numpy_helper.from_array(values, quant))
+        new_initializers.append(numpy_helper.from_array(scale_values.astype(np.float32), scale))
         new_initializers.append(
-            numpy_helper.from_array(np.zeros(params.scale.shape, dtype=np.int32), zero)
+            numpy_helper.from_array(np.zeros(scale_values.shape, dtype=values.dtype), zero)
         )
         rename[name] = f"{name}_dequantized"
-        axis = 0 if params.scale.ndim == 1 else None
         head_nodes.append(
             _dequantize_node(f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], axis)
         )
