@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from qtool.cli import app
 
