@@ -123,3 +123,14 @@ def test_mse_threshold_is_near_the_brute_force_optimum():
     best = min(errors)
     assert _fake_quant_mse(values, high) <= best * 1.05
     assert high < bound  # on a heavy tail the optimum clips
+
+
+@pytest.mark.parametrize("method", ["entropy", "percentile", "mse"])
+def test_a_maximum_on_a_bin_edge_is_not_clipped_away(method):
+    """Digits-like pixels k/16: the maximum 1.0 is a bin edge, and its bin must be searched."""
+    rng = np.random.default_rng(6)
+    values = (rng.integers(0, 17, 100_000) / 16).astype(np.float32)
+    stats = _stats_of(values)
+    assert (1.0 / stats.bin_width).is_integer()
+    low, high = compute_range(stats, method, symmetric=False)
+    assert low == 0.0 and high == pytest.approx(1.0, abs=0.01)  # not 15/16: the top level kept

@@ -23,7 +23,9 @@ def _one_sided(stats: TensorStats, absolute: bool) -> tuple[np.ndarray, float]:
     hist = positive + stats.counts[:half][::-1] if absolute else positive.copy()
     width = stats.bin_width
     extent = max(abs(stats.minimum), abs(stats.maximum)) if absolute else max(stats.maximum, 0.0)
-    used = int(np.ceil(extent / width)) if extent > 0 else 1
+    # The bin holding the extreme value itself: floor + 1, not ceil, since a maximum sitting
+    # exactly on a bin edge (1.0 for [0, 1] pixels) lands in the bin that starts there.
+    used = int(np.floor(extent / width)) + 1 if extent > 0 else 1
     used = min(max(used, 1), half)
     return hist[:used].astype(np.int64), width
 
