@@ -6,6 +6,13 @@ CLI prints that line and exits with code 2; anything else is a bug and keeps its
 """
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty): errors stay one line
+    even when a library (torch, ORT, onnx) raises a multi-line message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class QtoolError(Exception):
     """A user-facing error: one line, names what is wrong, CLI exit code 2."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from qtool.errors import ModelError
+from qtool.errors import ModelError, first_line
 from qtool.recipe import InputSpec, ModelSpec
 
 _ONNX_DTYPES = {
@@ -89,8 +89,7 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
             state = torch.load(str(spec.weights), map_location="cpu", weights_only=True)
             module.load_state_dict(state)
         except Exception as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise ModelError(f"{spec.weights}: cannot load weights: {first_line}") from None
+            raise ModelError(f"{spec.weights}: cannot load weights: {first_line(exc)}") from None
     module.eval()
     examples = tuple(torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs)
     names = [i.name for i in inputs]
@@ -117,8 +116,7 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
                 do_constant_folding=True,
             )
     except Exception as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"{spec.pytorch}: export to ONNX failed: {message}") from None
+        raise ModelError(f"{spec.pytorch}: export to ONNX failed: {first_line(exc)}") from None
     return onnx.load_from_string(buffer.getvalue())
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnxruntime
 
-from qtool.errors import ModelError
+from qtool.errors import ModelError, first_line
 
 CPU_PROVIDER = "CPUExecutionProvider"
 # ORT prefixes messages with a status code and a C++ source location; users need only the reason.
@@ -22,13 +22,9 @@ _ORT_STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 _ORT_SOURCE = re.compile(r"/\S+\.(?:cc|cpp|h):\d+ [^()]*\([^()]*\) ")
 
 
-def _ort_reason(exc: Exception) -> str:
+def ort_reason(exc: Exception) -> str:
     """The first line of ORT's message without its status prefix and C++ source location."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    line = text.splitlines()[0]
-    return _ORT_SOURCE.sub(" ", _ORT_STATUS.sub("", line))
+    return _ORT_SOURCE.sub(" ", _ORT_STATUS.sub("", first_line(exc)))
 
 
 def _describe(model: str | Path | bytes) -> str:
@@ -99,7 +95,7 @@ def create_session(
     try:
         session = onnxruntime.InferenceSession(model, sess_options=options, providers=requested)
     except Exception as exc:  # ORT raises several private exception types for a bad model.
-        raise ModelError(f"ONNX Runtime cannot load {name}: {_ort_reason(exc)}") from exc
+        raise ModelError(f"ONNX Runtime cannot load {name}: {ort_reason(exc)}") from exc
     # ORT silently falls back to CPU when a GPU provider fails to initialise (no device, missing
     # CUDA libraries); a run that asked for the GPU must not quietly measure the CPU instead.
     active = session.get_providers()

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data import Batch
 from qtool.errors import CalibrationError
-from qtool.ort_session import create_session
+from qtool.ort_session import create_session, ort_reason
 
 
 def with_extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProto:
@@ -65,9 +65,8 @@ def collect_statistics(
             try:
                 values = session.run(tensors, batch.inputs)
             except Exception as exc:  # ORT raises its own exception types for bad feeds
-                message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 raise CalibrationError(
-                    f"ONNX Runtime failed on a calibration batch: {message}"
+                    f"ONNX Runtime failed on a calibration batch: {ort_reason(exc)}"
                 ) from None
             for observer, array in zip(observers, values, strict=True):
                 observer.update(array)

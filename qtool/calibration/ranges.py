@@ -26,7 +26,7 @@ def _one_sided(stats: TensorStats, absolute: bool) -> tuple[np.ndarray, float]:
     # The bin holding the extreme value itself: floor + 1, not ceil, since a maximum sitting
     # exactly on a bin edge (1.0 for [0, 1] pixels) lands in the bin that starts there.
     used = int(np.floor(extent / width)) + 1 if extent > 0 else 1
-    used = min(max(used, 1), half)
+    used = min(used, half)
     return hist[:used].astype(np.int64), width
 
 
