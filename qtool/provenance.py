@@ -1,0 +1,49 @@
+"""Provenance: which float model, recipe and calibration data a quantized model came from.
+
+`qtool evaluate --fp32 A --quant B` compares whatever two files it is given; a quantized model from
+another float model prints a 97.78% -> 12.78% "drop" that is really a mix-up. The writer stamps
+these keys into the quantized model's metadata_props and evaluate checks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import onnx
+
+VERSION = "qtool.version"
+FLOAT_MODEL_SHA256 = "qtool.float_model_sha256"  # the model.fp32.onnx written beside it
+SOURCE_MODEL_SHA256 = "qtool.source_model_sha256"  # the model as loaded, before preparation
+RECIPE_SHA256 = "qtool.recipe_sha256"
+CALIBRATION_DATA_SHA256 = "qtool.calibration_data_sha256"
+KEYS = (VERSION, FLOAT_MODEL_SHA256, SOURCE_MODEL_SHA256, RECIPE_SHA256, CALIBRATION_DATA_SHA256)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Streamed, so a multi-GB model is never read into memory at once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stamp(model: onnx.ModelProto, values: dict[str, str]) -> None:
+    """Set qtool's keys in metadata_props (replacing earlier ones), in the fixed KEYS order."""
+    kept = [p for p in model.metadata_props if p.key not in KEYS]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key in KEYS:
+        if key in values:
+            entry = model.metadata_props.add()
+            entry.key, entry.value = key, values[key]
+
+
+def read(model: onnx.ModelProto) -> dict[str, str]:
+    """qtool's provenance keys present in a model (empty for models qtool did not write)."""
+    return {p.key: p.value for p in model.metadata_props if p.key in KEYS}
