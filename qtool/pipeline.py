@@ -1,41 +1,39 @@
 """The jobs behind the CLI commands: calibrate, quantize, evaluate, each from a validated recipe.
 
-Both calibrate and quantize start from the same prepared float model and the same layout, so the
-stats file records the prepared model's SHA-256 and quantize refuses stats collected on another
-model instead of silently applying ranges to the wrong tensors.
+quantize is a thin sequence of stages (DESIGN.md): prepare -> plan -> calibrate -> ranges ->
+weights for the deployment CPU -> write -> verify (what ORT really runs) -> report. Every stage
+reads and writes the Plan inside the Layout. Both calibrate and quantize start from the same
+prepared float model and layout, so the stats file records the prepared model's SHA-256 and
+quantize refuses stats collected on another model instead of silently applying ranges to the
+wrong tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx import numpy_helper
 
-from qtool import kernels
+from qtool import __version__, kernels, provenance
 from qtool.calibration.collect import collect_statistics
 from qtool.calibration.observers import TensorStats
-from qtool.calibration.ranges import compute_range
-from qtool.calibration.stats_file import load_stats, save_stats
-from qtool.data import count_samples_hint, iter_batches
+from qtool.calibration.stats_file import load_stats, save_stats, stats_data_sha256
+from qtool.data import Batch, count_samples_hint, iter_batches
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
 from qtool.io import atomic_write_bytes
 from qtool.models import load_model
 from qtool.ort_session import create_session
+from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
-from qtool.quantize.params import (
-    ActivationParams,
-    activation_params,
-    quantize_bias,
-    quantize_weight,
-)
 from qtool.quantize.prepare import prepare_model, tensor_types
-from qtool.quantize.qdq import BiasParams, write_qdq_model
+from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
 from qtool.report import build_report, write_report
+from qtool.runtime.cpu import resolve_cpu
 
 
 @dataclass
@@ -44,6 +42,7 @@ class PreparedModel:
     serialized: bytes
     fingerprint: str
     layout: Layout
+    source_sha256: str
 
 
 @dataclass
@@ -53,13 +52,24 @@ class QuantizeResult:
     report: dict
 
 
+def _source_sha256(recipe: Recipe) -> str:
+    """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file."""
+    spec = recipe.model
+    if spec.onnx is not None:
+        return provenance.sha256_file(spec.onnx)
+    digest = hashlib.sha256(str(spec.pytorch).encode())
+    if spec.weights is not None:
+        digest.update(provenance.sha256_file(spec.weights).encode())
+    return digest.hexdigest()
+
+
 def prepare(recipe: Recipe) -> PreparedModel:
     """Load, export if needed, prepare, and plan the QDQ layout (nothing is written yet)."""
     model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=recipe.model.opset)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
-    layout = plan_layout(model, recipe.quantization, float_tensors)
+    layout = plan_layout(model, recipe.quantization, float_tensors, recipe.calibration.method)
     if not layout.quantized_nodes():
         raise ModelError(
             f"{recipe.path}: no node can be quantized with quantization.op_types "
@@ -67,26 +77,66 @@ def prepare(recipe: Recipe) -> PreparedModel:
         )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
-    return PreparedModel(model, serialized, fingerprint, layout)
+    return PreparedModel(model, serialized, fingerprint, layout, _source_sha256(recipe))
+
+
+class _DataFingerprint:
+    """SHA-256 of the calibration inputs, one stream per input, so it ignores the batch size."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, hashlib._Hash] = {}
+
+    def tap(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            for name, array in batch.inputs.items():
+                if name not in self._streams:
+                    self._streams[name] = hashlib.sha256(
+                        f"{name}:{array.dtype.str}:{array.shape[1:]}".encode()
+                    )
+                self._streams[name].update(array.tobytes())
+            yield batch
+
+    def hexdigest(self) -> str:
+        total = hashlib.sha256()
+        for name in sorted(self._streams):
+            total.update(self._streams[name].digest())
+        return total.hexdigest()
 
 
 def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
     """Stream the calibration set through the model; write and return the statistics."""
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
+    fingerprint = _DataFingerprint()
     batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed)
     stats = collect_statistics(
         prepared.model,
         tensors,
-        batches,
+        fingerprint.tap(batches),
         bins=spec.bins,
         device=kernels.default_device(),
         total_samples=count_samples_hint(spec.data, spec.max_samples),
         progress=progress,
     )
-    save_stats(recipe.stats_path, stats, prepared.fingerprint, spec.bins)
+    save_stats(
+        recipe.stats_path, stats, prepared.fingerprint, spec.bins, fingerprint.hexdigest()
+    )
     atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     return stats
+
+
+def _statistics(
+    recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
+) -> tuple[dict[str, TensorStats], Path]:
+    if stats_path is None:
+        return {s.name: s for s in calibrate(recipe, prepared, progress)}, recipe.stats_path
+    stats, fingerprint = load_stats(stats_path)
+    if fingerprint != prepared.fingerprint:
+        raise CalibrationError(
+            f"{stats_path}: collected on a different model than {recipe.path} describes "
+            "(re-run `qtool calibrate`)"
+        )
+    return stats, stats_path
 
 
 def quantize(
@@ -94,44 +144,25 @@ def quantize(
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
     prepared = prepare(recipe)
-    if stats_path is None:
-        stats = {s.name: s for s in calibrate(recipe, prepared, progress)}
-    else:
-        stats, fingerprint = load_stats(stats_path)
-        if fingerprint != prepared.fingerprint:
-            raise CalibrationError(
-                f"{stats_path}: collected on a different model than {recipe.path} describes "
-                "(re-run `qtool calibrate`)"
-            )
-    layout = prepared.layout
+    stats, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    layout, model = prepared.layout, prepared.model
     device = kernels.default_device()
+    cpu = resolve_cpu(recipe.quantization.cpu)
     symmetric = recipe.quantization.symmetric_activations
-    activations: dict[str, ActivationParams] = {}
-    for tensor, slot in layout.activations.items():
-        if slot.stats_tensor not in stats:
-            raise CalibrationError(f"stats file has no statistics for tensor '{slot.stats_tensor}'")
-        low, high = compute_range(
-            stats[slot.stats_tensor],
-            recipe.calibration.method,
-            symmetric,
-            recipe.calibration.percentile,
-            device,
-        )
-        activations[tensor] = activation_params(low, high, symmetric)
-    initializers = {init.name: init for init in prepared.model.graph.initializer}
-    weights = {
-        name: quantize_weight(numpy_helper.to_array(initializers[name]), slot.axis, device)
-        for name, slot in layout.weights.items()
-    }
-    biases = {}
-    for name, slot in layout.biases.items():
-        values, scale = quantize_bias(
-            numpy_helper.to_array(initializers[name]),
-            activations[slot.activation].scale,
-            weights[slot.weight].scale,
-        )
-        biases[name] = BiasParams(values, scale)
-    quantized = write_qdq_model(prepared.model, layout, activations, weights, biases)
+    activations = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
+    weights = weight_parameters(model, layout, recipe.quantization, cpu, device)
+    biases = bias_parameters(model, layout, activations, weights)
+    quantized = write_qdq_model(model, layout, activations, weights, biases)
+    provenance.stamp(
+        quantized,
+        {
+            provenance.VERSION: __version__,
+            provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
+            provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
+            provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
+            provenance.CALIBRATION_DATA_SHA256: stats_data_sha256(stats_path) or "unknown",
+        },
+    )
     serialized = quantized.SerializeToString()
     try:
         create_session(serialized)
@@ -139,13 +170,13 @@ def quantize(
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
     atomic_write_bytes(recipe.quant_model_path, serialized)
     atomic_write_bytes(recipe.float_model_path, prepared.serialized)
-    node_inputs = {node.name: list(node.input) for node in prepared.model.graph.node}
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {
         "float_model": str(recipe.float_model_path),
         "quantized_model": str(recipe.quant_model_path),
-        "stats": str(stats_path or recipe.stats_path),
+        "stats": str(stats_path),
     }
-    report = build_report(recipe, node_inputs, layout, activations, weights, files)
+    report = build_report(recipe, node_inputs, layout, activations, weights, files, cpu)
     write_report(recipe.report_path, report)
     return QuantizeResult(recipe.quant_model_path, recipe.report_path, report)
 

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from qtool.errors import RecipeError
+from qtool.runtime.cpu import CPU_NAMES
 
 METHODS = ("minmax", "entropy", "percentile", "mse")
 TARGETS = ("ort-cpu", "tensorrt")
@@ -29,6 +30,8 @@ SUPPORTED_OP_TYPES = (
     "GlobalAveragePool",
     "AveragePool",
 )
+# quantization.saturation: what to do where ORT's uint8 x int8 kernels saturate (weight_format.py).
+SATURATION_POLICIES = ("auto", "pair-safe", "reduce-range", "uint8-weights", "ignore")
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
 IMAGE_MODES = ("L", "RGB")
 
@@ -100,6 +103,10 @@ class QuantizationSpec:
     per_channel: bool = True
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
+    # The CPU the model will run on ("auto": this machine) and what to do where ORT's uint8 x int8
+    # kernels would saturate there (see qtool/quantize/weight_format.py).
+    cpu: str = "auto"
+    saturation: str = "auto"
 
     @property
     def symmetric_activations(self) -> bool:
@@ -418,7 +425,8 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
 
 
 def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
-    reader.mapping(raw, "quantization", {"target", "per_channel", "op_types", "exclude"})
+    keys = {"target", "per_channel", "op_types", "exclude", "cpu", "saturation"}
+    reader.mapping(raw, "quantization", keys)
     op_types = reader.string_list(
         raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
     )
@@ -429,6 +437,10 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         per_channel=reader.boolean(raw.get("per_channel", True), "quantization.per_channel"),
         op_types=op_types,
         exclude=reader.string_list(raw.get("exclude", []), "quantization.exclude"),
+        cpu=reader.choice(raw.get("cpu", "auto"), "quantization.cpu", CPU_NAMES),
+        saturation=reader.choice(
+            raw.get("saturation", "auto"), "quantization.saturation", SATURATION_POLICIES
+        ),
     )
 
 

@@ -1,4 +1,9 @@
-"""report.json: every node's fate, so a user can see why each layer is (or is not) quantized."""
+"""report.json: every node's plan and what ONNX Runtime really did with it.
+
+The nodes list is the Plan (precision, why, weight format and why) joined with the runtime truth
+the verify stage read from ORT's optimised graph (fused into which op, or float, and why), so a
+user can see at a glance both what qtool intended and what runs.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from qtool.io import atomic_write_text
 from qtool.quantize.layout import Layout
 from qtool.quantize.params import ActivationParams, WeightParams
 from qtool.recipe import Recipe
+from qtool.runtime.cpu import CpuFeatures
 
 
 def _floats(values: np.ndarray) -> list[float] | float:
@@ -22,6 +28,49 @@ def _floats(values: np.ndarray) -> list[float] | float:
     return [float(v) for v in array]
 
 
+def _tensor_entries(
+    inputs: list[str],
+    layout: Layout,
+    activations: dict[str, ActivationParams],
+    weights: dict[str, WeightParams],
+    recipe: Recipe,
+    activation_dtype: str,
+) -> list[dict]:
+    tensors = []
+    for name in inputs:
+        if name in activations:
+            params = activations[name]
+            tensors.append(
+                {
+                    "tensor": name,
+                    "role": "activation",
+                    "dtype": activation_dtype,
+                    "range": [float(params.low), float(params.high)],
+                    "scale": float(params.scale),
+                    "zero_point": int(params.zero_point),
+                    "method": recipe.calibration.method,
+                    "stats_tensor": layout.activations[name].stats_tensor,
+                }
+            )
+        elif name in weights:
+            params = weights[name]
+            tensors.append(
+                {
+                    "tensor": name,
+                    "role": "weight",
+                    "dtype": str(params.values.dtype),
+                    "granularity": "per-channel" if params.axis is not None else "per-tensor",
+                    "axis": params.axis,
+                    "scale": _floats(params.scale),
+                    "zero_point": int(params.zero_point_array().reshape(-1)[0]),
+                    "method": "minmax (symmetric)",
+                }
+            )
+        elif name in layout.biases:
+            tensors.append({"tensor": name, "role": "bias", "dtype": "int32"})
+    return tensors
+
+
 def build_report(
     recipe: Recipe,
     model_inputs: dict[str, list[str]],
@@ -29,61 +78,38 @@ def build_report(
     activations: dict[str, ActivationParams],
     weights: dict[str, WeightParams],
     output_files: dict[str, str],
+    cpu: CpuFeatures,
+    verification: dict | None = None,
 ) -> dict:
-    """A JSON-ready description of the quantized model; `model_inputs` maps node -> input names."""
+    """A JSON-ready description of the quantized model; `model_inputs` maps node -> input names.
+
+    `verification` is the verify stage's summary (fused counts, fused vs unfused outputs); the
+    per-node runtime truth is already in each NodePlan.
+    """
     activation_dtype = "int8" if recipe.quantization.symmetric_activations else "uint8"
     nodes = []
-    for decision in layout.decisions:
-        entry: dict = {
-            "name": decision.name,
-            "op_type": decision.op_type,
-            "precision": "int8" if decision.quantized else "fp32",
-            "reason": decision.reason,
-        }
-        if decision.quantized:
-            tensors = []
-            for name in model_inputs.get(decision.name, []):
-                if name in activations:
-                    params = activations[name]
-                    tensors.append(
-                        {
-                            "tensor": name,
-                            "role": "activation",
-                            "dtype": activation_dtype,
-                            "range": [float(params.low), float(params.high)],
-                            "scale": float(params.scale),
-                            "zero_point": int(params.zero_point),
-                            "method": recipe.calibration.method,
-                            "stats_tensor": layout.activations[name].stats_tensor,
-                        }
-                    )
-                elif name in weights:
-                    params = weights[name]
-                    tensors.append(
-                        {
-                            "tensor": name,
-                            "role": "weight",
-                            "dtype": "int8",
-                            "granularity": "per-channel"
-                            if params.axis is not None
-                            else "per-tensor",
-                            "axis": params.axis,
-                            "scale": _floats(params.scale),
-                            "method": "minmax (symmetric)",
-                        }
-                    )
-                elif name in layout.biases:
-                    tensors.append({"tensor": name, "role": "bias", "dtype": "int32"})
-            entry["tensors"] = tensors
+    for node in layout.plan:
+        entry = node.to_dict()
+        if node.quantized:
+            entry["tensors"] = _tensor_entries(
+                model_inputs.get(node.name, []),
+                layout,
+                activations,
+                weights,
+                recipe,
+                activation_dtype,
+            )
         nodes.append(entry)
-    counts = Counter(n["precision"] for n in nodes)
-    by_op = Counter(n["op_type"] for n in nodes if n["precision"] == "int8")
+    quantized = layout.plan.quantized()
+    by_op = Counter(node.op_type for node in quantized)
+    formats = Counter(plan.format for plan in layout.plan.weight_plans().values())
     return {
         "qtool_version": __version__,
         "recipe": str(recipe.path),
         "target": recipe.quantization.target,
+        "cpu": cpu.to_dict(),
+        "saturation_policy": recipe.quantization.saturation,
         "activation_dtype": activation_dtype,
-        "weight_dtype": "int8",
         "method": recipe.calibration.method,
         "percentile": recipe.calibration.percentile
         if recipe.calibration.method == "percentile"
@@ -91,13 +117,15 @@ def build_report(
         "seed": recipe.seed,
         "files": output_files,
         "summary": {
-            "nodes": len(nodes),
-            "quantized_nodes": counts.get("int8", 0),
-            "float_nodes": counts.get("fp32", 0),
+            "nodes": len(layout.plan),
+            "quantized_nodes": len(quantized),
+            "float_nodes": len(layout.plan) - len(quantized),
             "quantized_by_op_type": dict(sorted(by_op.items())),
             "activation_qdq_pairs": len(activations),
-            "folded_relus": len(layout.folded_relus),
+            "folded_activations": len(layout.folded_clamps),
+            "weight_formats": dict(sorted(formats.items())),
         },
+        "runtime": verification,
         "nodes": nodes,
     }
 

@@ -167,7 +167,7 @@ def test_report_lists_every_float_node_with_precision_and_reason(digits_run) -> 
     float_model = onnx.load(str(digits_run.out / "model.fp32.onnx"))
     assert [n["name"] for n in report["nodes"]] == [n.name for n in float_model.graph.node]
     for node in report["nodes"]:
-        assert node["precision"] in {"int8", "fp32"}
+        assert node["precision"] in {"int8", "float"}
         assert isinstance(node["reason"], str) and node["reason"]
     quant_model = onnx.load(str(digits_run.out / "model.int8.onnx"))
     producer = {out: n.op_type for n in quant_model.graph.node for out in n.output}

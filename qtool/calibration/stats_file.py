@@ -21,10 +21,18 @@ FORMAT = "qtool-stats/1"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
-def save_stats(path: Path, stats: list[TensorStats], model_fingerprint: str, bins: int) -> None:
+def save_stats(
+    path: Path,
+    stats: list[TensorStats],
+    model_fingerprint: str,
+    bins: int,
+    data_sha256: str | None = None,
+) -> None:
+    """`data_sha256` fingerprints the calibration batches, for the quantized model's provenance."""
     index = {
         "format": FORMAT,
         "model_sha256": model_fingerprint,
+        "data_sha256": data_sha256,
         "bins": bins,
         "tensors": [
             {
@@ -78,3 +86,13 @@ def load_stats(path: Path) -> tuple[dict[str, TensorStats], str]:
     except (zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise CalibrationError(f"{path}: corrupt stats file ({exc})") from None
     return stats, str(index["model_sha256"])
+
+
+def stats_data_sha256(path: Path) -> str | None:
+    """The calibration data fingerprint a stats file records (None for files that have none)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            value = json.loads(archive.read("index.json")).get("data_sha256")
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
+        raise CalibrationError(f"{path}: corrupt stats file ({exc})") from None
+    return value if isinstance(value, str) else None

@@ -4,11 +4,13 @@ The placement follows what ONNX Runtime's CPU provider and TensorRT fuse (DESIGN
 activation inputs of a quantized node get a per-tensor Q/DQ pair; weights are stored as int8
 initializers with a per-output-channel DequantizeLinear; Conv (and the element-wise ops that have
 QLinear forms) also quantize their output, because ORT only forms QLinearConv from DQ->Conv->Q.
-A Relu right after a quantized node is folded into that output's QuantizeLinear for asymmetric
-uint8 targets (a zero point of 0 clamps negatives exactly as Relu does), as ORT's own quantizer
-does; shape-only and max-pooling ops get no pair of their own: the tensor after them reuses the
-range of the tensor before them, so ORT can drop DQ->Reshape->Q and run them on uint8.
+A Relu, or a Clip(0, max) such as ReLU6, right after a quantized node is folded into that output's
+QuantizeLinear for asymmetric uint8 targets (a zero point of 0 clamps negatives exactly as Relu
+does, and the range taken from the clamp's own output never exceeds its max), as ORT's own
+quantizer does; shape-only and max-pooling ops get no pair of their own: the tensor after them
+reuses the range of the tensor before them, so ORT can drop DQ->Reshape->Q and run them on uint8.
 Calibration needs only `Layout.stats_tensors()`, so this runs before any statistics exist.
+The per-node decisions go into a `Plan` (qtool/plan.py); the slots here say where the tensors go.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
+from qtool.plan import NodePlan, Plan, WeightPlan
 from qtool.recipe import SUPPORTED_OP_TYPES, QuantizationSpec
 
 SUPPORTED_OPS = frozenset(SUPPORTED_OP_TYPES)
@@ -27,16 +31,19 @@ WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
 OUTPUT_QUANTIZED_OPS = (SUPPORTED_OPS - WEIGHTED_OPS) | {"Conv"}
 # Ops that move or select values without creating new ones: the output range is the input range.
 PASSTHROUGH_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "MaxPool"})
-
-
-@dataclass(frozen=True)
-class NodeDecision:
-    """The fate of one node, with the reason the report shows the user."""
-
-    name: str
-    op_type: str
-    quantized: bool
-    reason: str
+# Ops ORT's CPU provider can run on quantized data that qtool does not place QDQ pairs around yet:
+# the report says so instead of claiming the runtime has no kernel.
+_ORT_CPU_QUANTIZED_FORMS = {
+    "Sigmoid": "QLinearSigmoid",
+    "LeakyRelu": "QLinearLeakyRelu",
+    "Softmax": "QLinearSoftmax",
+    "Where": "QLinearWhere",
+    "ReduceMean": "QLinearReduceMean",
+    "Resize": "Resize on uint8",
+    "Gather": "Gather on uint8",
+    "Split": "Split on uint8",
+    "Pad": "Pad on uint8",
+}
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,19 @@ class ActivationSlot:
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """A constant weight stored as int8; `axis` is the output-channel axis (None: per-tensor)."""
+    """A constant weight stored as an integer tensor.
+
+    `axis` is the output-channel axis (None: per-tensor). `reduction` says how ORT's kernels walk
+    the weight along the summed axis, which decides which products share a 16-bit pair sum on CPUs
+    without VNNI: "k-rows" (MatMul / Gemm weight [K, N]), "k-cols" (Gemm transB [N, K]), "conv"
+    (im2col order: kernel positions outer, input channels of the group inner) or "depthwise"
+    (ORT's depthwise kernel accumulates in 32 bits).
+    """
 
     tensor: str
     axis: int | None
+    reduction: str = "k-rows"
+    group: int = 1
 
 
 @dataclass(frozen=True)
@@ -72,17 +88,18 @@ class BiasSlot:
 
 @dataclass
 class Layout:
-    decisions: list[NodeDecision] = field(default_factory=list)
+    plan: Plan = field(default_factory=Plan)
     activations: dict[str, ActivationSlot] = field(default_factory=dict)
     weights: dict[str, WeightSlot] = field(default_factory=dict)
     biases: dict[str, BiasSlot] = field(default_factory=dict)
-    folded_relus: dict[str, str] = field(default_factory=dict)  # Relu node name -> its output
+    # Relu / Clip(0, max) node name -> its output, for clamps folded into a QuantizeLinear.
+    folded_clamps: dict[str, str] = field(default_factory=dict)
 
     def stats_tensors(self) -> list[str]:
         return sorted({slot.stats_tensor for slot in self.activations.values()})
 
     def quantized_nodes(self) -> list[str]:
-        return [d.name for d in self.decisions if d.quantized]
+        return [node.name for node in self.plan.quantized()]
 
 
 class _Graph:
@@ -125,26 +142,46 @@ def _excluded_by(name: str, patterns: tuple[str, ...]) -> str | None:
     return None
 
 
-def plan_layout(model: onnx.ModelProto, spec: QuantizationSpec, float_tensors: set[str]) -> Layout:
-    """Decide every node's precision and the QDQ slots; `model` must be prepared (typed)."""
+def plan_layout(
+    model: onnx.ModelProto,
+    spec: QuantizationSpec,
+    float_tensors: set[str],
+    activation_method: str | None = None,
+) -> Layout:
+    """Decide every node's precision (the Plan) and the QDQ slots; `model` must be prepared."""
     graph = _Graph(model, float_tensors)
     layout = Layout()
     wanted: list[str] = []  # activation tensors to quantize, in discovery order
     quantized_nodes: set[str] = set()
     op_types = set(spec.op_types)
+    weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
     for node in graph.nodes:
-        reason = _quantize_node(node, graph, spec, op_types, layout)
-        if reason is not None:
-            layout.decisions.append(NodeDecision(node.name, node.op_type, False, reason))
+        outcome = _quantize_node(node, graph, spec, op_types, layout)
+        if outcome is not None:
+            source, reason = outcome
+            layout.plan.add(NodePlan(node.name, node.op_type, "float", source, reason))
             continue
         quantized_nodes.add(node.name)
-        layout.decisions.append(NodeDecision(node.name, node.op_type, True, "quantized"))
+        weight = next((layout.weights[n] for n in node.input if n in layout.weights), None)
+        layout.plan.add(
+            NodePlan(
+                node.name,
+                node.op_type,
+                "int8",
+                "default",
+                f"{node.op_type} is in quantization.op_types",
+                activation_method=activation_method,
+                weight=None
+                if weight is None
+                else weight_plans.setdefault(weight.tensor, _weight_plan(weight)),
+            )
+        )
         wanted.extend(name for name in node.input if graph.is_float_activation(name))
         if node.op_type in OUTPUT_QUANTIZED_OPS:
             out = node.output[0]
-            relu = _single_relu_consumer(out, graph)
-            target = relu.output[0] if relu is not None else out
+            clamp = _single_clamp_consumer(out, graph)
+            target = clamp.output[0] if clamp is not None else out
             if target not in graph.graph_outputs:
                 wanted.append(target)
 
@@ -155,16 +192,21 @@ def plan_layout(model: onnx.ModelProto, spec: QuantizationSpec, float_tensors: s
         producer = graph.producer.get(tensor)
         if (
             producer is not None
-            and producer.op_type == "Relu"
+            and _is_zero_floor_clamp(producer, graph)
             and not spec.symmetric_activations
-            and _relu_foldable(producer, graph, quantized_nodes)
+            and _clamp_foldable(producer, graph, quantized_nodes)
         ):
             source = producer.input[0]
-            layout.folded_relus[producer.name] = tensor
+            layout.folded_clamps[producer.name] = tensor
         layout.activations[tensor] = ActivationSlot(tensor, source, _stats_root(tensor, graph))
 
-    _annotate_float_nodes(layout, graph)
+    _annotate_float_nodes(layout, graph, spec.target)
     return layout
+
+
+def _weight_plan(slot: WeightSlot) -> WeightPlan:
+    granularity = "per-tensor" if slot.axis is None else "per-channel"
+    return WeightPlan(slot.tensor, 8, granularity, slot.axis)
 
 
 def _quantize_node(
@@ -173,19 +215,23 @@ def _quantize_node(
     spec: QuantizationSpec,
     op_types: set[str],
     layout: Layout,
-) -> str | None:
-    """Record the node's weight/bias slots and return None, or return why it stays float."""
+) -> tuple[str, str] | None:
+    """Record the node's weight/bias slots and return None, or (source, why it stays float)."""
     if node.op_type not in op_types or node.op_type not in SUPPORTED_OPS:
-        return "op type not quantized"  # refined for pass-through ops later
+        return "unsupported", _UNLISTED  # refined for pass-through ops later
     pattern = _excluded_by(node.name, spec.exclude)
     if pattern is not None:
-        return f"excluded by quantization.exclude pattern '{pattern}'"
+        return "excluded", f"excluded by quantization.exclude pattern '{pattern}'"
     data_inputs = [name for name in node.input if name]
     if node.op_type in WEIGHTED_OPS:
-        return _weighted_node(node, graph, spec, layout)
+        reason = _weighted_node(node, graph, spec, layout)
+        return None if reason is None else ("unsupported", reason)
     if any(not graph.is_float_activation(name) for name in data_inputs):
-        return "has a constant or non-float input"
+        return "unsupported", "has a constant or non-float input"
     return None
+
+
+_UNLISTED = "op type not quantized"
 
 
 def _weighted_node(
@@ -201,7 +247,7 @@ def _weighted_node(
         if graph.is_float_constant(b):
             dims = graph.initializers[b].dims
             axis = 1 if spec.per_channel and len(dims) == 2 else None
-            layout.weights.setdefault(b, WeightSlot(b, axis))
+            layout.weights.setdefault(b, WeightSlot(b, axis, "k-rows"))
         elif not graph.is_float_activation(b):
             return "input B is not float"
         return None
@@ -210,10 +256,12 @@ def _weighted_node(
         return "input is not a float activation"
     if not graph.is_float_constant(w):
         return "weight is not a constant float initializer"
+    group = 1
     if node.op_type == "Gemm":
         if _attribute(node, "transA", 0) != 0:
             return "Gemm with transA=1 is not supported"
         axis = 0 if _attribute(node, "transB", 0) else 1
+        reduction = "k-cols" if axis == 0 else "k-rows"
         w_dims = list(graph.initializers[w].dims)
         channels = w_dims[axis]
         bias_ok = bool(bias) and graph.is_float_constant(bias)
@@ -226,7 +274,14 @@ def _weighted_node(
     else:  # Conv
         axis = 0
         bias_ok = bool(bias) and graph.is_float_constant(bias)
-    layout.weights.setdefault(w, WeightSlot(w, axis if spec.per_channel else None))
+        group = _attribute(node, "group", 1)
+        w_dims = list(graph.initializers[w].dims)
+        # ORT's QLinearConv takes its depthwise kernel when each group has one input and one
+        # output channel; every other Conv runs as im2col x GEMM.
+        depthwise = group > 1 and len(w_dims) >= 2 and w_dims[1] == 1 and w_dims[0] == group
+        reduction = "depthwise" if depthwise else "conv"
+    slot = WeightSlot(w, axis if spec.per_channel else None, reduction, group)
+    layout.weights.setdefault(w, slot)
     if bias_ok:
         layout.biases.setdefault(bias, BiasSlot(bias, x, w))
     return None
@@ -239,24 +294,46 @@ def _float_attr(node: onnx.NodeProto, name: str) -> float:
     return 1.0
 
 
-def _single_relu_consumer(tensor: str, graph: _Graph) -> onnx.NodeProto | None:
+def _constant_scalar(name: str, graph: _Graph) -> float | None:
+    init = graph.initializers.get(name) if name else None
+    if init is None or int(np.prod(init.dims, dtype=np.int64)) != 1:
+        return None
+    return float(numpy_helper.to_array(init).reshape(-1)[0])
+
+
+def _is_zero_floor_clamp(node: onnx.NodeProto, graph: _Graph) -> bool:
+    """Relu, or Clip with a constant floor of 0 and a constant positive ceiling (ReLU6)."""
+    if node.op_type == "Relu":
+        return True
+    if node.op_type != "Clip" or len(node.input) < 3:
+        return False
+    floor = _constant_scalar(node.input[1], graph)
+    ceiling = _constant_scalar(node.input[2], graph)
+    return floor == 0.0 and ceiling is not None and ceiling > 0.0
+
+
+def _single_clamp_consumer(tensor: str, graph: _Graph) -> onnx.NodeProto | None:
     consumers = graph.consumers.get(tensor, [])
-    if len(consumers) == 1 and consumers[0].op_type == "Relu" and tensor not in graph.graph_outputs:
-        relu = consumers[0]
-        if relu.output[0] not in graph.graph_outputs:
-            return relu
+    if (
+        len(consumers) == 1
+        and _is_zero_floor_clamp(consumers[0], graph)
+        and tensor not in graph.graph_outputs
+    ):
+        clamp = consumers[0]
+        if clamp.output[0] not in graph.graph_outputs:
+            return clamp
     return None
 
 
-def _relu_foldable(relu: onnx.NodeProto, graph: _Graph, quantized_nodes: set[str]) -> bool:
-    source = relu.input[0]
+def _clamp_foldable(clamp: onnx.NodeProto, graph: _Graph, quantized_nodes: set[str]) -> bool:
+    source = clamp.input[0]
     producer = graph.producer.get(source)
     return (
         producer is not None
         and producer.name in quantized_nodes
         and len(graph.consumers.get(source, [])) == 1
         and source not in graph.graph_outputs
-        and relu.output[0] not in graph.graph_outputs
+        and clamp.output[0] not in graph.graph_outputs
     )
 
 
@@ -273,25 +350,40 @@ def _stats_root(tensor: str, graph: _Graph) -> str:
         current = data_input
 
 
-def _annotate_float_nodes(layout: Layout, graph: _Graph) -> None:
-    """Replace the generic reason of float nodes with the specific one the user needs to see."""
+def _annotate_float_nodes(layout: Layout, graph: _Graph, target: str) -> None:
+    """Replace the generic reason of float nodes with the specific, true one the user needs."""
     quantized_tensors = set(layout.activations)
     nodes_by_name = {node.name: node for node in graph.nodes}
-    for index, decision in enumerate(layout.decisions):
-        if decision.quantized:
+    for node in layout.plan:
+        if node.quantized:
             continue
-        if decision.name in layout.folded_relus:
-            reason = "folded into the quantized output (uint8 zero point clamps like Relu)"
-        elif decision.op_type in PASSTHROUGH_OPS and decision.reason == "op type not quantized":
-            if nodes_by_name[decision.name].output[0] in quantized_tensors:
-                reason = "shape/max op between QDQ pairs with one scale: ORT runs it on int8 data"
+        if node.name in layout.folded_clamps:
+            node.source = "folded"
+            what = "Relu" if node.op_type == "Relu" else "Clip(0, max)"
+            node.reason = (
+                f"{what} folded into the preceding quantized output (uint8 zero point 0 clamps "
+                "negatives; the range never exceeds the clamp's maximum)"
+            )
+        elif node.op_type in PASSTHROUGH_OPS and node.reason == _UNLISTED:
+            node.source = "passthrough"
+            if nodes_by_name[node.name].output[0] in quantized_tensors:
+                node.reason = (
+                    "shape/max op between QDQ pairs with one scale: ORT runs it on uint8 data"
+                )
             else:
-                reason = "shape/max op: no quantized neighbour"
-        elif decision.reason == "op type not quantized":
-            if decision.op_type in SUPPORTED_OPS:
-                reason = "op type not listed in quantization.op_types"
-            else:
-                reason = f"{decision.op_type} has no quantized kernel in the target: stays float"
-        else:
-            continue
-        layout.decisions[index] = NodeDecision(decision.name, decision.op_type, False, reason)
+                node.reason = "shape/max op: no quantized neighbour"
+        elif node.reason == _UNLISTED:
+            node.reason = _unquantized_op_reason(node.op_type, target)
+            if node.op_type in SUPPORTED_OPS:
+                node.source = "not-listed"
+
+
+def _unquantized_op_reason(op_type: str, target: str) -> str:
+    if op_type in SUPPORTED_OPS:
+        return "op type not listed in quantization.op_types"
+    if target == "tensorrt":
+        return f"qtool places no QDQ pair around {op_type}; TensorRT chooses its precision"
+    form = _ORT_CPU_QUANTIZED_FORMS.get(op_type)
+    if form is not None:
+        return f"qtool does not quantize {op_type} yet (ORT's CPU provider has {form}): stays float"
+    return f"ORT's CPU provider has no quantized kernel for {op_type}: stays float"

@@ -30,9 +30,16 @@ class ActivationParams:
 
 @dataclass(frozen=True)
 class WeightParams:
-    values: np.ndarray  # int8, the weight's own shape
+    values: np.ndarray  # int8 (or uint8 for the U8U8 format), the weight's own shape
     scale: np.ndarray  # float32, [C] or scalar
     axis: int | None
+    zero_point: np.ndarray | None = None  # None: 0 in the values' dtype (symmetric)
+
+    def zero_point_array(self) -> np.ndarray:
+        """The zero point as stored: the scale's shape, the values' dtype."""
+        if self.zero_point is not None:
+            return np.asarray(self.zero_point, dtype=self.values.dtype)
+        return np.zeros(np.shape(self.scale), dtype=self.values.dtype)
 
 
 def activation_params(low: float, high: float, symmetric: bool) -> ActivationParams:

@@ -44,19 +44,18 @@ def write_qdq_model(
     rename: dict[str, str] = {}  # tensor -> dequantized tensor read by consumers
 
     constants = [
-        (name, weights[name].values, weights[name].scale, weights[name].axis)
-        for name in sorted(weights)
+        (name, w.values, w.scale, w.zero_point_array(), w.axis)
+        for name, w in sorted(weights.items())
     ]
     for name in sorted(biases):
-        scale = biases[name].scale
-        constants.append((name, biases[name].values, scale, 0 if scale.ndim == 1 else None))
-    for name, values, scale_values, axis in constants:
+        scale, values = biases[name].scale, biases[name].values
+        zero_point = np.zeros(scale.shape, dtype=values.dtype)
+        constants.append((name, values, scale, zero_point, 0 if scale.ndim == 1 else None))
+    for name, values, scale_values, zero_values, axis in constants:
         quant, scale, zero = f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"
         new_initializers.append(numpy_helper.from_array(values, quant))
         new_initializers.append(numpy_helper.from_array(scale_values.astype(np.float32), scale))
-        new_initializers.append(
-            numpy_helper.from_array(np.zeros(scale_values.shape, dtype=values.dtype), zero)
-        )
+        new_initializers.append(numpy_helper.from_array(zero_values, zero))
         rename[name] = f"{name}_dequantized"
         head_nodes.append(
             _dequantize_node(f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], axis)
@@ -87,7 +86,7 @@ def write_qdq_model(
         pairs_after.setdefault(slot.source, []).extend(nodes)
         rename[tensor] = dequantized
 
-    folded = set(layout.folded_relus)
+    folded = set(layout.folded_clamps)
     body: list[onnx.NodeProto] = []
     for source in sorted(s for s in pairs_after if s in graph_inputs):
         body.extend(pairs_after[source])

@@ -1,0 +1,218 @@
+"""Choose each weight's integer format for the CPU it will run on, so fused kernels never saturate.
+
+On x86 without VNNI, ONNX Runtime's uint8 x int8 kernels (MLAS, `vpmaddubsw`) add each pair of
+products along the reduction axis into a saturating 16-bit sum. Pairs are aligned: reduction
+indices (0, 1), (2, 3), ... in the order the kernel walks the weight (measured on ORT 1.31: rows of
+a [K, N] MatMul/Gemm weight; for Conv the im2col order, kernel positions outer and the group's
+input channels inner; the depthwise kernel accumulates in 32 bits). An activation byte is at most
+255, so a pair can only overflow when its two quantized weights of one sign add up to more than
+128 (255 * 128 = 32640 fits, 255 * 129 does not). qtool checks this on the weights it writes:
+
+- `s8`: full-range int8. Kept wherever no aligned pair can overflow, and everywhere on CPUs that
+  do not saturate (VNNI, AMX, ARM).
+- `s8-pairsafe`: int8 in which every aligned pair of one sign sums to at most 128. Per channel
+  that could overflow, qtool tries scales from the full-range one up to the one that makes every
+  pair fit (largest one-sign pair sum / 127), lowers the few pairs still over 128 by splitting the
+  excess between their two values, and keeps the candidate with the least weight error. Channels
+  that cannot overflow keep their full-range values.
+- `s7`: 7-bit weights in [-63, 63] (ORT's `reduce_range`): safe in any order, one bit lost in every
+  channel.
+- `u8`: uint8 weights with zero point 128: the same values as `s8`, run by ORT's U8U8 kernels that
+  widen to 16 bits before multiplying (no saturation, but slower on AVX2).
+
+`auto` uses `s8-pairsafe` where overflow is possible: on the models we measured it keeps the U8S8
+speed and loses the least accuracy (README: "Saturation on CPUs without VNNI").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from qtool.plan import WeightPlan
+from qtool.quantize.layout import WeightSlot
+from qtool.quantize.params import WeightParams, quantize_weight
+from qtool.runtime.cpu import CpuFeatures
+
+FORMATS = ("s8", "s8-pairsafe", "s7", "u8")
+_POLICY_FORMAT = {"auto": "s8-pairsafe", "pair-safe": "s8-pairsafe", "reduce-range": "s7"}
+_POLICY_FORMAT["uint8-weights"] = "u8"
+PAIR_LIMIT = 128  # largest one-sign pair sum of int8 weights that fits 16 bits against 255
+
+
+def reduction_matrix(weight: np.ndarray, slot: WeightSlot) -> np.ndarray:
+    """The weight as [output channels, K] in the order ORT's kernel sums along K."""
+    if slot.reduction == "k-rows":  # [K, N]
+        return weight.reshape(weight.shape[0], -1).T
+    if slot.reduction == "k-cols":  # [N, K]
+        return weight.reshape(weight.shape[0], -1)
+    if slot.reduction == "conv":  # [M, C/g, *kernel] -> [M, *kernel, C/g]
+        moved = np.moveaxis(weight, 1, -1)
+        return moved.reshape(weight.shape[0], -1)
+    raise ValueError(f"no 16-bit pair sums for reduction {slot.reduction!r}")
+
+
+def pair_extremes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel, the largest sum of positive parts and of negative magnitudes over pairs."""
+    channels, k = matrix.shape
+    if k % 2:
+        matrix = np.concatenate([matrix, np.zeros((channels, 1), matrix.dtype)], axis=1)
+    pairs = matrix.reshape(channels, -1, 2).astype(np.float64)
+    positive = np.clip(pairs, 0, None).sum(axis=2).max(axis=1)
+    negative = np.clip(-pairs, 0, None).sum(axis=2).max(axis=1)
+    return positive, negative
+
+
+def can_saturate(params: WeightParams, slot: WeightSlot) -> np.ndarray:
+    """Per output channel (or one value for per-tensor weights): may a 16-bit pair sum overflow?"""
+    values = params.values.astype(np.int32)
+    if params.zero_point is not None:
+        zero = params.zero_point_array().astype(np.int32)
+        if params.axis is not None:
+            zero = zero.reshape(_channel_shape(values, params.axis))
+        values = values - zero
+    positive, negative = pair_extremes(reduction_matrix(values, slot))
+    unsafe = (positive > PAIR_LIMIT) | (negative > PAIR_LIMIT)
+    return unsafe if slot.axis is not None else np.asarray([unsafe.any()])
+
+
+_CANDIDATES = 9  # scales tried per channel between full range and "every pair fits"
+
+
+def from_reduction_matrix(matrix: np.ndarray, shape: tuple[int, ...], slot: WeightSlot):
+    """Inverse of `reduction_matrix`: back to the weight's own layout."""
+    if slot.reduction == "k-rows":
+        return matrix.T.reshape(shape)
+    if slot.reduction == "k-cols":
+        return matrix.reshape(shape)
+    moved = matrix.reshape((shape[0], *shape[2:], shape[1]))
+    return np.moveaxis(moved, -1, 1)
+
+
+def _limit_pairs(q: np.ndarray) -> np.ndarray:
+    """Lower every aligned one-sign pair whose sum exceeds PAIR_LIMIT, splitting the excess."""
+    channels, k = q.shape
+    padded = np.concatenate([q, np.zeros((channels, k % 2), q.dtype)], axis=1)
+    pairs = padded.reshape(channels, -1, 2).astype(np.int32)
+    for sign in (1, -1):
+        signed = pairs * sign
+        excess = np.clip(signed, 0, None).sum(axis=2) - PAIR_LIMIT
+        over = excess > 0  # both values have this sign: each is at most 127
+        big = np.argmax(signed, axis=2)  # the larger one gives up the odd unit
+        first = np.where(big == 0, (excess + 1) // 2, excess // 2)
+        second = excess - first
+        signed[..., 0] -= np.where(over, first, 0)
+        signed[..., 1] -= np.where(over, second, 0)
+        pairs = signed * sign
+    return pairs.reshape(channels, -1)[:, :k]
+
+
+def _pairsafe(
+    weight: np.ndarray, slot: WeightSlot, full: WeightParams, unsafe: np.ndarray
+) -> WeightParams:
+    """int8 values with no overflowing pair and the least weight error per channel (see top)."""
+    matrix = reduction_matrix(weight, slot).astype(np.float64)
+    full_scale = np.asarray(full.scale, np.float64)
+    positive, negative = pair_extremes(matrix)
+    fits = np.maximum(positive, negative) / 127.0  # scale at which every pair fits after rounding
+    if slot.axis is None:  # one scale for the whole tensor
+        full_scale = np.full(matrix.shape[0], float(full_scale))
+        fits = np.full(matrix.shape[0], float(fits.max()))
+    best_q = np.rint(matrix / full_scale[:, None])
+    best_scale = full_scale.copy()
+    best_error = np.full(matrix.shape[0], np.inf)
+    for t in np.linspace(0.0, 1.0, _CANDIDATES):
+        scale = full_scale + t * np.maximum(fits - full_scale, 0.0)
+        q = _limit_pairs(np.clip(np.rint(matrix / scale[:, None]), -127, 127).astype(np.int32))
+        error = np.sum((q * scale[:, None] - matrix) ** 2, axis=1)
+        if slot.axis is None:
+            error = np.full_like(error, error.sum())
+        better = error < best_error
+        best_q = np.where(better[:, None], q, best_q)
+        best_scale = np.where(better, scale, best_scale)
+        best_error = np.where(better, error, best_error)
+    keep = ~np.broadcast_to(unsafe, best_error.shape)  # channels that cannot overflow
+    q_full = np.rint(matrix / full_scale[:, None])
+    best_q = np.where(keep[:, None], q_full, best_q)
+    best_scale = np.where(keep, full_scale, best_scale).astype(np.float32)
+    values = from_reduction_matrix(best_q.astype(np.int8), weight.shape, slot)
+    if slot.axis is None:
+        return WeightParams(values, np.asarray(best_scale[0], np.float32), None)
+    return WeightParams(np.ascontiguousarray(values), best_scale, slot.axis)
+
+
+def _channel_shape(weight: np.ndarray, axis: int) -> list[int]:
+    shape = [1] * weight.ndim
+    shape[axis] = -1
+    return shape
+
+
+def _rescale(weight: np.ndarray, slot: WeightSlot, bound: np.ndarray, limit: int) -> WeightParams:
+    """Symmetric int weights with scale = bound / limit (per channel along slot.axis, or one)."""
+    bound = np.asarray(bound, np.float32)
+    scale = np.where(bound > 0, bound / np.float32(limit), np.float32(1.0)).astype(np.float32)
+    if slot.axis is None:
+        values = np.clip(np.round(weight / scale), -limit, limit).astype(np.int8)
+        return WeightParams(values, np.asarray(scale, np.float32), None)
+    shaped = scale.reshape(_channel_shape(weight, slot.axis))
+    values = np.clip(np.round(weight / shaped), -limit, limit).astype(np.int8)
+    return WeightParams(values, scale, slot.axis)
+
+
+def _as_uint8(params: WeightParams) -> WeightParams:
+    values = (params.values.astype(np.int16) + 128).astype(np.uint8)
+    zero = np.full(np.shape(params.scale), 128, dtype=np.uint8)
+    return WeightParams(values, params.scale, params.axis, zero)
+
+
+def choose_weight(
+    weight: np.ndarray,
+    slot: WeightSlot,
+    plan: WeightPlan,
+    cpu: CpuFeatures,
+    policy: str,
+    device: str = "cpu",
+) -> WeightParams:
+    """Quantize one weight in the format its CPU needs; record the format and why in `plan`."""
+    weight = np.asarray(weight, dtype=np.float32)
+    full = quantize_weight(weight, slot.axis, device)
+    if not cpu.u8s8_saturates:
+        plan.format, plan.reason = "s8", f"int8 full range: {_cpu_name(cpu)} does not saturate"
+        return full
+    if slot.reduction == "depthwise":
+        plan.format = "s8"
+        plan.reason = "int8 full range: ORT's depthwise kernel accumulates in 32 bits"
+        return full
+    unsafe = can_saturate(full, slot)
+    if policy == "ignore" or not unsafe.any():
+        plan.format = "s8"
+        plan.reason = (
+            "int8 full range: no aligned weight pair can overflow a 16-bit sum"
+            if not unsafe.any()
+            else f"int8 full range (quantization.saturation: ignore): {int(unsafe.sum())} "
+            f"channel(s) may saturate on {_cpu_name(cpu)}"
+        )
+        return full
+    fmt = _POLICY_FORMAT[policy]
+    plan.format = fmt
+    where = f"{int(unsafe.sum())} of {unsafe.size} channel(s) could overflow 16-bit pair sums"
+    if fmt == "u8":
+        plan.reason = f"uint8 weights, the int8 values + 128 (U8U8 kernels, no saturation): {where}"
+        return _as_uint8(full)
+    if fmt == "s7":
+        bound = np.asarray(full.scale, np.float32) * np.float32(127.0)
+        result = _rescale(weight, slot, bound, 63)
+        plan.reason = f"7-bit weights (reduce range): {where}"
+    else:
+        result = _pairsafe(weight, slot, full, unsafe)
+        plan.reason = f"int8 with pair sums limited to 128 on the channels that need it: {where}"
+    ratio = np.asarray(result.scale, np.float64) / np.asarray(full.scale, np.float64)
+    before, after = reduction_matrix(full.values, slot), reduction_matrix(result.values, slot)
+    plan.channels_changed = int(np.count_nonzero(np.any(before != after, axis=1)))
+    plan.bits_lost_max = round(float(math.log2(max(float(ratio.max()), 1.0))), 3)
+    return result
+
+
+def _cpu_name(cpu: CpuFeatures) -> str:
+    return "this CPU" if cpu.source.startswith("this machine") else "the recipe's CPU"
