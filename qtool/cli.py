@@ -124,61 +124,145 @@ def evaluate(
         typer.Option("--data", help=".npz with arrays named after the model inputs (+ labels)."),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 64,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output",
+            help="Model output the gates judge and labels belong to (default: the first).",
+        ),
+    ] = None,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32). "
+            "Default: accuracy with labels, else agreement.",
+        ),
+    ] = None,
     max_drop: Annotated[
         float | None,
         typer.Option(
-            "--max-drop", help="Exit 1 when accuracy (or agreement) drops by more points."
+            "--max-drop", help="Exit 1 when --metric drops by more than this many points."
         ),
     ] = None,
-    json_path: Annotated[
-        Path | None, typer.Option("--json", help="Also write results as JSON.")
+    min_cosine: Annotated[
+        float | None,
+        typer.Option(
+            "--min-cosine",
+            help="Exit 1 when the output's cosine to FP32 is below this. The gate for "
+            "embeddings, where top-1 agreement means nothing.",
+        ),
     ] = None,
+    min_sqnr: Annotated[
+        float | None,
+        typer.Option("--min-sqnr", help="Exit 1 when the output's SQNR vs FP32 (dB) is lower."),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write every result as JSON.")
+    ] = None,
+    junit_path: Annotated[
+        Path | None,
+        typer.Option("--junit", help="Also write a JUnit XML report, one testcase per gate."),
+    ] = None,
+    allow_foreign_fp32: Annotated[
+        bool,
+        typer.Option(
+            "--allow-foreign-fp32",
+            help="Compare even when the quantized model records another float model.",
+        ),
+    ] = False,
     latency_runs: Annotated[int, typer.Option("--latency-runs", min=1)] = 50,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
-    """Compare the float and quantized models: accuracy, fidelity, latency, size."""
+    """Compare the float and quantized models on every output, fused (as ONNX Runtime runs it)
+    and unfused (QDQ semantics): accuracy, top-1 agreement, SQNR, cosine, latency, size.
+
+    Gates (--max-drop, --min-cosine, --min-sqnr) are judged on the fused model, and any failed
+    gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
+    nothing there.
+    """
     from qtool.errors import RecipeError
     from qtool.evaluate import render_table
-    from qtool.io import atomic_write_text
+    from qtool.gates import Gates, judge_gates, junit_xml
+    from qtool.io import atomic_write_bytes, atomic_write_text
     from qtool.pipeline import evaluate as run_evaluate
+    from qtool.recipe import GATE_METRICS, gate_problem
+
+    flags = {"max_drop": max_drop, "min_cosine": min_cosine, "min_sqnr": min_sqnr}
+    for key, value in flags.items():
+        problem = None if value is None else gate_problem(key, value)
+        if problem is not None:
+            raise RecipeError(f"--{key.replace('_', '-')}: {problem}")
+    if metric is not None and metric not in GATE_METRICS:
+        raise RecipeError(f"--metric: must be one of {', '.join(GATE_METRICS)}, got {metric!r}")
 
     if recipe is not None:
-        fp32_path, quant_path, batches, default_drop = _recipe_evaluation(recipe, output_dir)
+        if fp32 is not None or quant is not None or data is not None:
+            raise RecipeError("evaluate takes a RECIPE or --fp32/--quant/--data, not both")
+        fp32_path, quant_path, batches, spec = _recipe_evaluation(recipe, output_dir)
     else:
         if fp32 is None or quant is None or data is None:
             raise RecipeError("evaluate needs a RECIPE, or all of --fp32, --quant and --data")
         fp32_path, quant_path = fp32, quant
         batches = _npz_batches(fp32, data, batch_size)
-        default_drop = None
+        spec = None  # no recipe: only the options set gates
+
+    def choose(key: str, flag_value):
+        """The option when given (it overrides the recipe), else the recipe's value; with where
+        it came from, for error messages."""
+        if flag_value is not None or spec is None:
+            return flag_value, f"--{key.replace('_', '-')}"
+        return getattr(spec, key), f"{recipe}: evaluation.{key}"
+
+    chosen_output, output_where = choose("output", output)
+    chosen_metric, metric_where = choose("metric", metric)
+    gates = Gates(
+        metric=chosen_metric,
+        max_drop=choose("max_drop", max_drop)[0],
+        min_cosine=choose("min_cosine", min_cosine)[0],
+        min_sqnr=choose("min_sqnr", min_sqnr)[0],
+    )
     result = run_evaluate(
         fp32_path,
         quant_path,
         batches,
+        output=chosen_output,
+        output_where=output_where,
+        labels_required_by=_accuracy_source(metric_where) if chosen_metric == "accuracy" else None,
+        allow_foreign_fp32=allow_foreign_fp32,
         threads=threads,
         latency_runs=latency_runs,
         progress=progress,
     )
+    judged = judge_gates(result, gates)
     console.print(render_table(result))
-    if json_path is not None:
-        atomic_write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n")
-    limit = max_drop if max_drop is not None else default_drop
-    drop = result.accuracy_drop_points()
-    metric = "accuracy" if result.fp32.accuracy is not None else "top-1 agreement"
-    if limit is not None:
-        if drop > limit:
-            errors.print(
-                f"[bold red]FAIL:[/] {metric} dropped {drop:.2f} points (limit {limit:.2f})",
-                highlight=False,
-            )
-            raise typer.Exit(code=1)
-        console.print(
-            f"PASS: {metric} dropped {drop:.2f} points (limit {limit:.2f})", highlight=False
+    for warning in result.warnings:
+        errors.print(
+            f"[bold yellow]warning:[/] {escape(warning.message)}", highlight=False, soft_wrap=True
         )
+    if json_path is not None:
+        text = json.dumps(result.to_dict(judged), indent=2, allow_nan=False) + "\n"
+        atomic_write_text(json_path, text)
+    if junit_path is not None:
+        atomic_write_bytes(junit_path, junit_xml(result, judged))
+    for gate in judged:
+        if gate.passed:
+            console.print(f"PASS: {gate.describe()}", highlight=False, markup=False)
+        else:
+            errors.print(f"[bold red]FAIL:[/] {escape(gate.describe())}", highlight=False)
+    if any(not gate.passed for gate in judged):
+        raise typer.Exit(code=1)
+
+
+def _accuracy_source(where: str) -> str:
+    """'--metric accuracy' or 'recipe.yaml: evaluation.metric: accuracy', as the user wrote it."""
+    return f"{where} accuracy" if where.startswith("--") else f"{where}: accuracy"
 
 
 def _recipe_evaluation(recipe: Path, output_dir: Path | None):
+    """The recipe's float and quantized model paths, its evaluation batches and gate settings."""
     from qtool.data import iter_batches
     from qtool.errors import RecipeError
     from qtool.recipe import load_recipe
@@ -188,11 +272,15 @@ def _recipe_evaluation(recipe: Path, output_dir: Path | None):
         raise RecipeError(f"{recipe}: evaluation: is required for `qtool evaluate RECIPE`")
     spec = loaded.evaluation
     batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
-    return loaded.float_model_path, loaded.quant_model_path, batches, spec.max_drop
+    return loaded.float_model_path, loaded.quant_model_path, batches, spec
 
 
 def _npz_batches(model_path: Path, data: Path, batch_size: int):
-    """Batches from an .npz keyed by the model's input names; the model declares the inputs."""
+    """Batches from an .npz keyed by the model's input names; the model declares the inputs.
+
+    Symbolic dims (`[N, 3, H, W]`) stay symbolic, so data of any size along them is accepted
+    (ORT checks it fits the graph), and a mismatch names the model file and its declared shape.
+    """
     import onnx
 
     from qtool.data import iter_batches
@@ -203,19 +291,23 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
         raise ModelError(f"{model_path}: model file not found")
     if not data.is_file():
         raise DataError(f"{data}: data file not found")
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others for a corrupt file
+        raise ModelError(f"{model_path}: not a readable ONNX model ({exc})") from None
     initializers = {t.name for t in model.graph.initializer}
     inputs = []
     for value in model.graph.input:
         if value.name in initializers:
             continue
-        dims = [
-            d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim
-        ]
+        dims = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in value.type.tensor_type.shape.dim
+        )
         dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
-        inputs.append(InputSpec(value.name, tuple(dims), dtype))
-    spec = DataSpec("--data", npz=data)
-    return iter_batches(spec, tuple(inputs), batch_size)
+        inputs.append(InputSpec(value.name, dims, dtype))
+    spec = DataSpec(f"--data {data}", npz=data)
+    return iter_batches(spec, tuple(inputs), batch_size, shapes_from=f"{model_path}")
 
 
 @app.command()

@@ -39,8 +39,13 @@ def iter_batches(
     batch_size: int,
     max_samples: int | None = None,
     seed: int = 0,
+    shapes_from: str | None = None,
 ) -> Iterator[Batch]:
-    """Yield validated batches of exactly `batch_size` samples (the last one may be smaller)."""
+    """Yield validated batches of exactly `batch_size` samples (the last one may be smaller).
+
+    `shapes_from` names who declared `inputs`, for error messages: None for the recipe's
+    `inputs:`, else the model file they were read from (whose symbolic dims take any size).
+    """
     chunks = _source_chunks(spec, inputs, seed)
     pending: list[Batch] = []
     pending_count = 0
@@ -48,7 +53,7 @@ def iter_batches(
     sample_index = 0
     labelled: bool | None = None
     for chunk in chunks:
-        _validate(chunk, inputs, spec.where, sample_index)
+        _validate(chunk, inputs, spec.where, sample_index, shapes_from)
         if labelled is None:
             labelled = chunk.labels is not None
         elif labelled != (chunk.labels is not None):
@@ -100,6 +105,11 @@ def count_samples_hint(spec: DataSpec, max_samples: int | None) -> int | None:
     return total if total is not None else max_samples
 
 
+def _format_dims(shape: tuple[int | str | None, ...]) -> str:
+    """A declared shape as the user reads it: symbolic dims by name ('N'), unnamed ones as '?'."""
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
 def _slice(batch: Batch, start: int, stop: int) -> Batch:
     labels = None if batch.labels is None else batch.labels[start:stop]
     return Batch({k: v[start:stop] for k, v in batch.inputs.items()}, labels)
@@ -116,7 +126,13 @@ def _concat(batches: list[Batch]) -> Batch:
     return Batch(inputs, labels)
 
 
-def _validate(batch: Batch, inputs: tuple[InputSpec, ...], where: str, first: int) -> None:
+def _validate(
+    batch: Batch,
+    inputs: tuple[InputSpec, ...],
+    where: str,
+    first: int,
+    shapes_from: str | None = None,
+) -> None:
     expected = {i.name for i in inputs}
     got = set(batch.inputs)
     if got != expected:
@@ -140,10 +156,16 @@ def _validate(batch: Batch, inputs: tuple[InputSpec, ...], where: str, first: in
         )
     for spec in inputs:
         array = batch.inputs[spec.name]
-        if array.shape[1:] != spec.shape[1:]:
+        if not _fits(array.shape, spec.shape):
+            if shapes_from is None:
+                raise DataError(
+                    f"{where}: input '{spec.name}' has sample shape {list(array.shape[1:])} but "
+                    f"the recipe declares inputs.{spec.name}: {list(spec.shape)} (sample shape "
+                    f"{list(spec.shape[1:])})"
+                )
             raise DataError(
-                f"{where}: input '{spec.name}' has sample shape {list(array.shape[1:])} but the "
-                f"recipe declares {list(spec.shape[1:])}"
+                f"{where}: input '{spec.name}' has shape {list(array.shape)} but {shapes_from} "
+                f"declares {_format_dims(spec.shape)}"
             )
         if np.dtype(array.dtype) != np.dtype(spec.dtype):
             if spec.dtype.startswith("float") and np.issubdtype(array.dtype, np.floating):
@@ -159,6 +181,15 @@ def _validate(batch: Batch, inputs: tuple[InputSpec, ...], where: str, first: in
             if not finite.all():
                 bad = int(np.argwhere(~finite)[0][0]) + first
                 raise DataError(f"{where}: input '{spec.name}' has NaN or Inf in sample {bad}")
+
+
+def _fits(shape: tuple[int, ...], declared: tuple[int | str | None, ...]) -> bool:
+    """Same rank, and every fixed dim after the batch axis equal; symbolic dims take any size."""
+    if len(shape) != len(declared):
+        return False
+    return all(
+        not isinstance(d, int) or d == n for d, n in zip(declared[1:], shape[1:], strict=True)
+    )
 
 
 def _source_chunks(spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int) -> Iterable[Batch]:

@@ -181,24 +181,10 @@ def quantize(
     return QuantizeResult(recipe.quant_model_path, recipe.report_path, report)
 
 
-def evaluate(
-    fp32_path: Path,
-    quant_path: Path,
-    batches,
-    *,
-    threads: int | None = None,
-    latency_runs: int = 50,
-    progress: bool = True,
-) -> EvalResult:
+def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:
+    """Evaluate recipe-style batches (qtool.data.Batch); `options` go to evaluate_models."""
     for path in (fp32_path, quant_path):
         if not Path(path).is_file():
             raise ModelError(f"{path}: model file not found (run `qtool quantize` first)")
     pairs = ((batch.inputs, batch.labels) for batch in batches)
-    return evaluate_models(
-        Path(fp32_path),
-        Path(quant_path),
-        pairs,
-        threads=threads,
-        latency_runs=latency_runs,
-        progress=progress,
-    )
+    return evaluate_models(Path(fp32_path), Path(quant_path), pairs, **options)

@@ -7,6 +7,7 @@ errors because a misspelt optional key would otherwise be silently ignored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,14 @@ IMAGE_MODES = ("L", "RGB")
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One model input: its shape (first dim is the batch) and dtype."""
+    """One model input: its shape (first dim is the batch) and dtype.
+
+    A recipe gives every dim as an integer. Shapes read from a model file (`qtool evaluate
+    --data`) keep a symbolic dim as its name (str) or None, and data of any size fits it there.
+    """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str | None, ...]
     dtype: str = "float32"
 
 
@@ -114,11 +119,36 @@ class QuantizationSpec:
         return self.target == "tensorrt"
 
 
+# What `evaluation.metric` / `--metric` may name: the number `max_drop` is measured in.
+GATE_METRICS = ("accuracy", "agreement")
+
+
 @dataclass(frozen=True)
 class EvaluationSpec:
+    """The evaluation set and the CI gates; every gate is judged on one output (`output`)."""
+
     data: DataSpec
     batch_size: int = 64
-    max_drop: float | None = None
+    output: str | None = None  # None: the model's first output
+    metric: str | None = None  # None: accuracy with labels, else top-1 agreement
+    max_drop: float | None = None  # points of `metric` the quantized model may lose
+    min_cosine: float | None = None
+    min_sqnr: float | None = None
+
+
+def gate_problem(key: str, value: float) -> str | None:
+    """Why a gate value is unusable, or None; shared by the recipe and the CLI so that
+    `evaluation.max_drop: -1` and `--max-drop -1` are refused with the same words.
+
+    NaN compares false with everything, so an unchecked NaN limit would pass every model.
+    """
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if key == "max_drop" and value < 0:
+        return f"must be >= 0 (points of accuracy or agreement lost), got {value}"
+    if key == "min_cosine" and not -1.0 <= value <= 1.0:
+        return f"must be in [-1, 1], got {value}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -445,10 +475,23 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
 
 
 def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
-    reader.mapping(raw, "evaluation", {"data", "batch_size", "max_drop"}, {"data"})
-    max_drop = raw.get("max_drop")
+    keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
+    reader.mapping(raw, "evaluation", keys, {"data"})
+    gates: dict[str, float | None] = {}
+    for key in ("max_drop", "min_cosine", "min_sqnr"):
+        value = raw.get(key)
+        if value is not None:
+            value = reader.number(value, f"evaluation.{key}")
+            problem = gate_problem(key, value)
+            if problem is not None:
+                raise reader.fail(f"evaluation.{key}", problem)
+        gates[key] = value
+    output = raw.get("output")
+    metric = raw.get("metric")
     return EvaluationSpec(
         data=_read_data(reader, raw["data"], "evaluation.data"),
         batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
-        max_drop=None if max_drop is None else reader.number(max_drop, "evaluation.max_drop"),
+        output=None if output is None else reader.string(output, "evaluation.output"),
+        metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
+        **gates,
     )

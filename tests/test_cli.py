@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import ModuleType
 
@@ -58,8 +59,13 @@ def onnx_recipe(run, data: dict, shape: tuple[int, ...] = (1, 1, 8, 8), model: P
     }
 
 
-def accuracy(model_path: Path, x: np.ndarray, y: np.ndarray) -> float:
-    session = onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+def accuracy(model_path: Path, x: np.ndarray, y: np.ndarray, optimize: bool = True) -> float:
+    options = onnxruntime.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = onnxruntime.InferenceSession(
+        str(model_path), options, providers=["CPUExecutionProvider"]
+    )
     (logits,) = session.run(None, {session.get_inputs()[0].name: x})
     return float((logits.argmax(axis=1) == y).mean())
 
@@ -119,7 +125,9 @@ def test_evaluate_writes_json_with_both_accuracies(digits_run, recipe_eval, eval
     assert "PASS" in result.stdout
     _, x_test, y_test = eval_split
     assert report["samples"] == len(y_test)
-    fp32, quant = report["fp32"]["accuracy"], report["quant"]["accuracy"]
+    (out,) = report["outputs"]  # the digits CNN has one output
+    assert report["gated_output"] == out["name"] and report["labels"] is True
+    fp32, quant = out["fp32_accuracy"], out["fused"]["accuracy"]
     assert fp32 >= 0.95
     assert fp32 - quant <= 0.02
     one_sample = 1.0 / len(y_test)
@@ -129,7 +137,17 @@ def test_evaluate_writes_json_with_both_accuracies(digits_run, recipe_eval, eval
     assert quant == pytest.approx(
         accuracy(digits_run.out / "model.int8.onnx", x_test, y_test), abs=one_sample
     )
-    assert report["accuracy_drop_points"] == pytest.approx((fp32 - quant) * 100)
+    unfused = accuracy(digits_run.out / "model.int8.onnx", x_test, y_test, optimize=False)
+    assert out["unfused"]["accuracy"] == pytest.approx(unfused, abs=one_sample)
+    (gate,) = report["gates"]  # --max-drop 5 on the command line
+    assert (gate["gate"], gate["metric"], gate["limit"], gate["passed"]) == (
+        "max_drop",
+        "accuracy",
+        5.0,
+        True,
+    )
+    assert gate["value"] == pytest.approx((fp32 - quant) * 100)
+    assert report["passed"] is True
     # The exported float model still computes what the PyTorch model does.
     model_module = load_module(digits_run.folder / "model.py", "cli_test_digits_model")
     module = model_module.make_model()
@@ -139,13 +157,25 @@ def test_evaluate_writes_json_with_both_accuracies(digits_run, recipe_eval, eval
     assert fp32 == pytest.approx(float((logits.argmax(1) == y_test).mean()), abs=one_sample)
 
 
-def test_impossible_max_drop_exits_1(digits_run, recipe_eval, cli) -> None:
-    _, report = recipe_eval
-    assert report["accuracy_drop_points"] > -1  # so a limit of -1 points cannot be met
+def test_negative_max_drop_is_bad_input(digits_run, cli) -> None:
     args = ["evaluate", digits_run.recipe, "-o", digits_run.out, "--max-drop", "-1"]
     result = cli(*args, "--latency-runs", "1", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "--max-drop" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_sqnr_floor_exits_1(digits_run, recipe_eval, cli, tmp_path) -> None:
+    _, report = recipe_eval
+    sqnr = report["outputs"][0]["fused"]["sqnr_db"]
+    assert sqnr < 200  # an int8 model cannot reach 200 dB, so this floor cannot be met
+    junit = tmp_path / "gates.xml"
+    args = ["evaluate", digits_run.recipe, "-o", digits_run.out, "--min-sqnr", "200"]
+    result = cli(*args, "--junit", junit, "--latency-runs", "1", "--no-progress")
     assert result.exit_code == 1, result.output
-    assert "FAIL" in result.stderr
+    assert "FAIL" in result.stderr and "SQNR" in result.stderr
+    assert "PASS" in result.stdout  # the recipe's max_drop gate still passes on its own
+    suite = ET.fromstring(junit.read_bytes()).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
 
 
 def test_evaluate_without_recipe_on_npz(digits_run, recipe_eval, eval_split, cli, tmp_path) -> None:
@@ -157,9 +187,10 @@ def test_evaluate_without_recipe_on_npz(digits_run, recipe_eval, eval_split, cli
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["samples"] == len(y_test)
+    assert report["gates"] == []  # no recipe, no gate options: nothing to pass or fail
     _, from_recipe = recipe_eval
-    for model in ("fp32", "quant"):  # same held-out data through the recipe's python source
-        assert report[model]["accuracy"] == from_recipe[model]["accuracy"]
+    # Same held-out data through the recipe's python source: the same numbers.
+    assert report["outputs"] == from_recipe["outputs"]
 
 
 def test_report_lists_every_float_node_with_precision_and_reason(digits_run) -> None:
