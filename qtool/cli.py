@@ -108,6 +108,15 @@ def quantize(
         f"method {loaded.calibration.method}, target {loaded.quantization.target})",
         highlight=False,
     )
+    runtime = result.report["runtime"]
+    console.print(
+        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
+        f"nodes; weights for {result.report['cpu']['description']}: "
+        + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
+        highlight=False,
+    )
+    for warning in result.warnings:
+        errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -34,6 +34,7 @@ from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
 from qtool.report import build_report, write_report
 from qtool.runtime.cpu import resolve_cpu
+from qtool.verify import verify
 
 
 @dataclass
@@ -50,6 +51,11 @@ class QuantizeResult:
     model_path: Path
     report_path: Path
     report: dict
+    warnings: list[str] = field(default_factory=list)  # unfused nodes, fused-vs-unfused gaps
+
+
+# Calibration samples the verify stage runs fused and unfused: enough to expose saturation.
+VERIFY_SAMPLES = 64
 
 
 def _source_sha256(recipe: Recipe) -> str:
@@ -168,6 +174,7 @@ def quantize(
         create_session(serialized)
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
+    verification = verify(serialized, layout.plan, _verify_feeds(recipe), cpu)
     atomic_write_bytes(recipe.quant_model_path, serialized)
     atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
@@ -176,9 +183,21 @@ def quantize(
         "quantized_model": str(recipe.quant_model_path),
         "stats": str(stats_path),
     }
-    report = build_report(recipe, node_inputs, layout, activations, weights, files, cpu)
+    report = build_report(
+        recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
+    )
     write_report(recipe.report_path, report)
-    return QuantizeResult(recipe.quant_model_path, recipe.report_path, report)
+    return QuantizeResult(
+        recipe.quant_model_path, recipe.report_path, report, verification.warnings
+    )
+
+
+def _verify_feeds(recipe: Recipe) -> list[dict]:
+    """The first calibration samples, re-read (a stats file carries no inputs)."""
+    spec = recipe.calibration
+    limit = min(VERIFY_SAMPLES, spec.max_samples or VERIFY_SAMPLES)
+    batch = min(spec.batch_size, limit)
+    return [b.inputs for b in iter_batches(spec.data, recipe.inputs, batch, limit, recipe.seed)]
 
 
 def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:

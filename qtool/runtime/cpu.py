@@ -67,8 +67,15 @@ class CpuFeatures:
         model = f"{self.model_name}; " if self.model_name else ""
         return f"{model}{self.arch}: {names}"
 
+    def label(self) -> str:
+        """Where the description came from and what it says, for one-line messages."""
+        where = "this machine" if self.source.startswith("this machine") else self.source
+        vnni = "VNNI" if self.vnni else "no VNNI"
+        return f"{where} ({self.describe()}; {vnni})"
+
     def to_dict(self) -> dict:
         return {
+            "description": self.label(),
             "arch": self.arch,
             "model_name": self.model_name,
             "features": sorted(self.features),
