@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from rich.table import Table
 from benchmarks.calibration import machine_info, save_json, write_calibration_data, write_recipe
 from benchmarks.models import build_cnn, calibration_inputs
 from qtool.data import iter_batches
-from qtool.ort_session import create_session
+from qtool.evaluate import evaluate_models
 from qtool.pipeline import quantize
 from qtool.recipe import Recipe, load_recipe
 
@@ -67,58 +66,23 @@ def _with_policy(recipe: Recipe, policy: str, out: Path) -> Recipe:
     return dataclasses.replace(recipe, quantization=spec, output_dir=out)
 
 
-def _sqnr(ref: np.ndarray, test: np.ndarray) -> float:
-    noise = float(np.sum((ref.astype(np.float64) - test) ** 2))
-    signal = float(np.sum(ref.astype(np.float64) ** 2))
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
-
-
-def _cosine(ref: np.ndarray, test: np.ndarray) -> float:
-    a = ref.reshape(len(ref), -1).astype(np.float64)
-    b = test.reshape(len(test), -1).astype(np.float64)
-    dot = np.sum(a * b, axis=1)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return float(np.mean(dot / np.maximum(norms, 1e-30)))
-
-
-def _latency_ms(sessions: list, feed: dict, runs: int) -> list[float]:
-    for session in sessions:
-        for _ in range(5):
-            session.run(None, feed)
-    times: list[list[float]] = [[] for _ in sessions]
-    for _ in range(runs):
-        for k, session in enumerate(sessions):
-            start = time.perf_counter_ns()
-            session.run(None, feed)
-            times[k].append((time.perf_counter_ns() - start) / 1e6)
-    return [float(np.median(t)) for t in times]
-
-
 def measure(fp32: Path, quant: Path, batches: list, threads: int, runs: int) -> dict:
-    reference = create_session(fp32, threads=threads)
-    fused = create_session(quant, threads=threads)
-    unfused = create_session(quant, threads=threads, optimize=False)
-    outputs = {"ref": [], "fused": [], "unfused": []}
-    labels = []
-    for inputs, label in batches:
-        outputs["ref"].append(reference.run(None, inputs)[0])
-        outputs["fused"].append(fused.run(None, inputs)[0])
-        outputs["unfused"].append(unfused.run(None, inputs)[0])
-        if label is not None:
-            labels.append(label)
-    ref, out_f, out_u = (np.concatenate(outputs[k]) for k in ("ref", "fused", "unfused"))
+    """qtool's own evaluation: fused and unfused in one pass, latency of FP32 vs fused."""
+    result = evaluate_models(
+        fp32, quant, batches, threads=threads, latency_runs=runs, progress=False
+    )
+    first = result.outputs[0]
     row = {
-        "sqnr_fused_db": _sqnr(ref, out_f),
-        "sqnr_unfused_db": _sqnr(ref, out_u),
-        "cosine_fused": _cosine(ref, out_f),
+        "sqnr_fused_db": first.fused.sqnr_db,
+        "sqnr_unfused_db": first.unfused.sqnr_db,
+        "cosine_fused": first.fused.cosine,
+        "fp32_ms": result.fp32.latency_ms_median,
+        "quant_ms": result.quant.latency_ms_median,
+        "speedup": result.speedup(),
     }
-    if labels:
-        truth = np.concatenate(labels)
-        row["accuracy_fp32"] = float(np.mean(np.argmax(ref, -1) == truth))
-        row["accuracy_fused"] = float(np.mean(np.argmax(out_f, -1) == truth))
-    feed = {k: np.ascontiguousarray(v[:1]) for k, v in batches[0][0].items()}
-    fp32_ms, quant_ms = _latency_ms([reference, fused], feed, runs)
-    row.update(fp32_ms=fp32_ms, quant_ms=quant_ms, speedup=fp32_ms / quant_ms)
+    if first.fused.accuracy is not None:
+        row["accuracy_fp32"] = first.fp32_accuracy
+        row["accuracy_fused"] = first.fused.accuracy
     return row
 
 
