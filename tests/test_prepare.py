@@ -322,3 +322,45 @@ def test_unknown_op_fails_upgrade_with_model_error() -> None:
     model = _tiny([helper.make_node("FooBar", ["x"], ["y"])], ["y"], opset=11)
     with pytest.raises(ModelError, match="opset 11 to 17"):
         prepare_model(model)
+
+
+def test_exporter_symbolic_dims_survive_so_ort_keeps_skip_layer_norm(tmp_path) -> None:
+    """ONNX inference alone says `unk__6` where the exporter said `batch` after a Reshape; ORT's
+    SkipLayerNormalization fusion compares those dims, so preparation must keep the exporter's."""
+    import collections
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o, self.ln = nn.Linear(32, 32), nn.LayerNorm(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, h = x.shape
+            y = self.o(x.view(b, s, 4, 8).transpose(1, 2).transpose(1, 2).reshape(b, s, h))
+            return self.ln(x + y)
+
+    path = tmp_path / "block.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Block().eval(),
+            (torch.randn(2, 8, 32),),
+            str(path),
+            input_names=["x"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            dynamo=True,
+            verbose=False,
+        )
+    original = onnx.load(str(path))
+
+    def fused(model: onnx.ModelProto, name: str) -> collections.Counter:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = str(tmp_path / name)
+        ort.InferenceSession(model.SerializeToString(), options, ["CPUExecutionProvider"])
+        return collections.Counter(n.op_type for n in onnx.load(str(tmp_path / name)).graph.node)
+
+    before = fused(original, "original.onnx")
+    after = fused(prepare_model(original), "prepared.onnx")
+    assert before["SkipLayerNormalization"] == 1, before
+    assert after["SkipLayerNormalization"] == before["SkipLayerNormalization"], after

@@ -256,3 +256,31 @@ def test_transformer_matmuls_all_fuse(tmp_path):
     assert ops["MatMul"] == 0 and ops["Gemm"] == 0, ops
     fused = ops["QLinearMatMul"] + ops["MatMulIntegerToFloat"] + ops["QGemm"]
     assert fused == summary.get("MatMul", 0) + summary.get("Gemm", 0)
+
+
+def test_transformer_keeps_ort_skip_layer_norm_fusion(tmp_path):
+    """The QDQ model carries the prepared model's shapes, so ORT still fuses Add + LayerNorm."""
+    recipe_path = _write_case(
+        tmp_path,
+        ENCODER_SOURCE,
+        """
+        model: {pytorch: model.py:make_model}
+        inputs: {ids: {shape: [1, 16], dtype: int64}}
+        calibration: {data: {synthetic: true, samples: 8}, method: minmax, batch_size: 8}
+        quantization: {op_types: [MatMul, Gemm]}
+        output: {dir: out}
+        """,
+    )
+    recipe = load_recipe(recipe_path)
+    result = quantize(recipe, progress=False)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "q").mkdir()
+    float_ops = collections.Counter(
+        n.op_type for n in _optimized(recipe.float_model_path, tmp_path / "f").graph.node
+    )
+    quant_ops = collections.Counter(
+        n.op_type for n in _optimized(result.model_path, tmp_path / "q").graph.node
+    )
+    assert float_ops["SkipLayerNormalization"] > 0, float_ops
+    assert quant_ops["SkipLayerNormalization"] == float_ops["SkipLayerNormalization"], quant_ops
+    assert quant_ops["LayerNormalization"] == float_ops["LayerNormalization"]

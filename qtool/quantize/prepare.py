@@ -486,10 +486,16 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
 
 
 def _refresh_value_info(model: onnx.ModelProto) -> None:
-    """Recompute value_info for standard-op outputs; keep exporter types for custom-op outputs."""
+    """Infer value_info for every node output, starting from the exporter's where it survives.
+
+    The exporter's shapes carry its symbolic dims (`batch`) through Reshapes where ONNX's own
+    inference can only say `unk__6`; ORT's transformer fusions (SkipLayerNormalization needs
+    both Add inputs to have the same shape) compare those dims, so dropping them loses fusions.
+    Entries for tensors that folding or fusion removed are dropped.
+    """
     graph = model.graph
-    custom = {o for n in graph.node if n.domain not in ("", "ai.onnx") for o in n.output}
-    keep = [vi for vi in graph.value_info if vi.name in custom]
+    produced = {o for n in graph.node for o in n.output if o}
+    keep = [vi for vi in graph.value_info if vi.name in produced]
     del graph.value_info[:]
     graph.value_info.extend(keep)
     model.CopyFrom(_inferred(model))

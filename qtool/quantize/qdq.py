@@ -102,12 +102,17 @@ def write_qdq_model(
         for out in node.output:
             body.extend(pairs_after.get(out, []))
 
+    # The prepared model's shapes travel along: ORT's transformer fusions (SkipLayerNormalization)
+    # compare symbolic dims that its own inference cannot recover on the QDQ graph.
+    produced = {out for node in body for out in node.output}
+    value_info = [vi for vi in graph.value_info if vi.name in produced]
     new_graph = helper.make_graph(
         head_nodes + body,
         graph.name,
         list(graph.input),
         list(graph.output),
         initializer=new_initializers,
+        value_info=value_info,
     )
     quantized_model = helper.make_model(
         new_graph,
