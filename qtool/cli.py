@@ -326,6 +326,7 @@ def doctor() -> None:
     import onnxruntime
 
     from qtool import kernels
+    from qtool.runtime.cpu import detect_cpu
 
     console.print(f"qtool {__version__} (python {sys.version.split()[0]})", highlight=False)
     console.print(
@@ -337,6 +338,18 @@ def doctor() -> None:
     for name, state in kernels.backends().items():
         console.print(f"kernels[{name}]: {state}", highlight=False, markup=False)
     console.print(f"default device: {kernels.default_device()}", highlight=False)
+    cpu = detect_cpu()
+    console.print(f"CPU: {cpu.describe()}", highlight=False, markup=False)
+    if cpu.u8s8_saturates:
+        verdict = (
+            "no VNNI: ORT's uint8 x int8 kernels add product pairs in saturating 16-bit sums; "
+            "quantize writes weights that cannot overflow them (quantization.saturation)"
+        )
+    elif cpu.vnni:
+        verdict = "VNNI: int8 dot products accumulate in 32 bits (no saturation)"
+    else:
+        verdict = "uint8 x int8 kernels do not saturate on this CPU"
+    console.print(f"int8 kernels: {verdict}", highlight=False, markup=False)
 
 
 if __name__ == "__main__":

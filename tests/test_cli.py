@@ -393,3 +393,16 @@ def test_output_dir_below_a_file(digits_run, cli, tmp_path) -> None:
     out = blocker / "out"
     result = cli("quantize", recipe, "-o", out, "--no-progress")
     assert_clean_failure(result, out, str(blocker))
+
+
+def test_doctor_reports_the_int8_relevant_cpu_features(cli) -> None:
+    from qtool.runtime.cpu import detect_cpu
+
+    doctor = cli("doctor")
+    assert doctor.exit_code == 0, doctor.output
+    text = " ".join(doctor.stdout.split())
+    cpu = detect_cpu()
+    for feature in sorted(cpu.features):
+        assert feature in text
+    expected = "saturating 16-bit sums" if cpu.u8s8_saturates else "do not saturate"
+    assert (expected in text) or (cpu.vnni and "no saturation" in text)
