@@ -364,3 +364,29 @@ def test_exporter_symbolic_dims_survive_so_ort_keeps_skip_layer_norm(tmp_path) -
     after = fused(prepare_model(original), "prepared.onnx")
     assert before["SkipLayerNormalization"] == 1, before
     assert after["SkipLayerNormalization"] == before["SkipLayerNormalization"], after
+
+
+def test_castlike_expand_zero_bias_folds_into_a_constant(tmp_path) -> None:
+    """The dynamo exporter without its optimizer builds a bias-free Conv's bias as
+    Expand(CastLike(0, x), shape): CastLike reads only x's element type, so it folds."""
+    path = tmp_path / "nobias.onnx"
+    module = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.ReLU()).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (torch.randn(2, 3, 8, 8),),
+            str(path),
+            input_names=["x"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+        )
+    original = onnx.load(str(path))
+    assert any(n.op_type == "CastLike" for n in original.graph.node)
+    prepared = prepare_model(original)
+    assert [n.op_type for n in prepared.graph.node] == ["Conv", "Relu"]
+    conv = prepared.graph.node[0]
+    bias = {t.name: t for t in prepared.graph.initializer}[conv.input[2]]
+    assert not numpy_helper.to_array(bias).any() and list(bias.dims) == [4]

@@ -28,6 +28,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
 from qtool.errors import ModelError
+from qtool.quantize.fold_bn import fold_batch_norms
 
 __all__ = ["prepare_model", "tensor_types"]
 
@@ -61,7 +62,8 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
 
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
     into plain weights; remove Identity nodes; fold every node computable from constants (including
-    Shape/Size of tensors whose shape is static); fuse rank-2 MatMul+Add into Gemm; drop dead nodes
+    Shape/Size of tensors whose shape is static); fold inference BatchNormalization into the
+    Conv/ConvTranspose/Gemm before it; fuse rank-2 MatMul+Add into Gemm; drop dead nodes
     and initializers; name unnamed nodes `{op_type}_{index}`; run ONNX shape inference so every
     tensor carries its element type. Deterministic: the same input gives byte-identical output.
 
@@ -80,6 +82,8 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
         changed |= _remove_dead(graph)
         if not changed:
             break
+    if fold_batch_norms(graph):
+        _remove_dead(graph)
     _fuse_matmul_add(graph, _infer(out))
     _remove_dead(graph)
     _name_nodes(graph)
@@ -330,6 +334,12 @@ def _try_fold(
         shape = consts.shape(node.input[0])
         shape = shape if shape is not None else _static_shape(types.get(node.input[0]))
         return None if shape is None else [_shape_value(node, shape)]
+    if node.op_type == "CastLike":
+        # Only the element type of the second input matters, and the exporters pass an
+        # activation there (CastLike(0, x) builds zero biases): fold it as the Cast it is.
+        node = _castlike_as_cast(node, consts, types)
+        if node is None:
+            return None
     inputs = [n for n in node.input if n]
     if not all(n in consts for n in inputs):
         return None
@@ -348,6 +358,25 @@ def _try_fold(
     if limit and any(_too_big(v.nbytes, in_bytes) for v in values):
         return None
     return values
+
+
+def _castlike_as_cast(
+    node: onnx.NodeProto, consts: _Constants, types: dict[str, onnx.TypeProto]
+) -> onnx.NodeProto | None:
+    """CastLike(value, like) as Cast(value, to=elem type of like), when that type is known."""
+    if len(node.input) < 2 or node.input[0] not in consts:
+        return None
+    like = node.input[1]
+    if like in consts:
+        elem = helper.np_dtype_to_tensor_dtype(consts[like].dtype)
+    else:
+        known = types.get(like)
+        if known is None or not known.HasField("tensor_type"):
+            return None
+        elem = known.tensor_type.elem_type
+    if not elem:
+        return None
+    return helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name, to=elem)
 
 
 def _too_big(out_bytes: int, in_bytes: int) -> bool:

@@ -1,0 +1,164 @@
+"""BatchNormalization folding: exact in ONNX Runtime for every producer, and what it buys.
+
+A graph with BN left between a Conv and its QuantizeLinear runs that Conv in float in ORT; the
+end-to-end test checks, from ORT's own optimised graph (via the report's runtime truth), that a
+BN-left export quantizes into fused QLinearConv after preparation.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.quantize.prepare import prepare_model
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, ["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def _bn_model(op: str, weight: np.ndarray, x_shape: list[int], bias: bool, **attrs):
+    rng = np.random.default_rng(0)
+    channels = {
+        "Conv": weight.shape[0],
+        "ConvTranspose": weight.shape[1] * attrs.get("group", 1),
+        "Gemm": weight.shape[0] if attrs.get("transB") else weight.shape[1],
+    }[op]
+    inits = [numpy_helper.from_array(weight.astype(np.float32), "w")]
+    inputs = ["x", "w"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), "b"))
+        inputs.append("b")
+    params = {
+        "gamma": rng.uniform(0.5, 2.0, channels),
+        "beta": rng.standard_normal(channels),
+        "mean": rng.standard_normal(channels),
+        "var": rng.uniform(0.1, 2.0, channels),
+    }
+    inits += [numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()]
+    nodes = [
+        helper.make_node(op, inputs, ["y0"], name="producer", **attrs),
+        helper.make_node(
+            "BatchNormalization", ["y0", "gamma", "beta", "mean", "var"], ["y"], epsilon=1e-3
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+_RNG = np.random.default_rng(1)
+CASES = {
+    "conv": ("Conv", _RNG.standard_normal((8, 3, 3, 3)), [2, 3, 9, 9], {}),
+    "conv-no-bias": ("Conv", _RNG.standard_normal((8, 3, 3, 3)), [2, 3, 9, 9], {"bias": False}),
+    "depthwise": ("Conv", _RNG.standard_normal((6, 1, 3, 3)), [2, 6, 9, 9], {"group": 6}),
+    "group-conv": ("Conv", _RNG.standard_normal((8, 2, 3, 3)), [2, 4, 9, 9], {"group": 2}),
+    "conv-transpose": (
+        "ConvTranspose",
+        _RNG.standard_normal((4, 3, 3, 3)),
+        [2, 4, 5, 5],
+        {"group": 2},
+    ),
+    "gemm": ("Gemm", _RNG.standard_normal((16, 8)), [4, 16], {"alpha": 0.5, "beta": 2.0}),
+    "gemm-transB": ("Gemm", _RNG.standard_normal((8, 16)), [4, 16], {"transB": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_folding_is_exact_and_removes_every_batch_norm(case: str) -> None:
+    op, weight, x_shape, attrs = CASES[case]
+    attrs = dict(attrs)
+    bias = attrs.pop("bias", True)
+    model = _bn_model(op, weight, x_shape, bias, **attrs)
+    prepared = prepare_model(model)
+    assert not any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
+    assert [n.op_type for n in prepared.graph.node] == [op]
+    x = np.random.default_rng(2).standard_normal(x_shape).astype(np.float32)
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_batch_norm_after_a_shared_output_is_left_alone() -> None:
+    model = _bn_model("Conv", np.ones((4, 3, 1, 1)), [1, 3, 4, 4], True)
+    model.graph.output.append(helper.make_tensor_value_info("y0", TensorProto.FLOAT, None))
+    prepared = prepare_model(model)
+    assert any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
+
+
+BN_LEFT_SOURCE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def make_model():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        )
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+        return model.eval()
+    """
+)
+
+
+def test_bn_left_export_quantizes_into_fused_convs(tmp_path) -> None:
+    from qtool.pipeline import quantize
+    from qtool.recipe import load_recipe
+
+    namespace: dict = {}
+    exec(BN_LEFT_SOURCE, namespace)  # noqa: S102 - the model source the test defines above
+    module = namespace["make_model"]()
+    path = tmp_path / "bn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (torch.randn(2, 3, 8, 8),),
+            str(path),
+            input_names=["x"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+        )
+    exported = onnx.load(str(path))
+    assert sum(n.op_type == "BatchNormalization" for n in exported.graph.node) == 2
+    (tmp_path / "recipe.yaml").write_text(
+        "model: {onnx: bn.onnx}\ninputs: {x: [1, 3, 8, 8]}\n"
+        "calibration: {data: {synthetic: true, samples: 16}, method: minmax}\n"
+        "output: {dir: out}\n"
+    )
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    result = quantize(recipe, progress=False)
+    convs = [n for n in result.report["nodes"] if n["op_type"] == "Conv"]
+    assert len(convs) == 2
+    assert all(n["runtime"]["status"] == "fused" for n in convs), convs
+    assert all(n["runtime"]["runs_as"] == "QLinearConv" for n in convs)
+    assert not any(n["op_type"] == "BatchNormalization" for n in result.report["nodes"])
+    x = np.random.default_rng(3).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    float_model = onnx.load(str(recipe.float_model_path))
+    np.testing.assert_allclose(_run(float_model, x), expected, rtol=1e-4, atol=1e-4)
+
