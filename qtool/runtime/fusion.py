@@ -1,0 +1,706 @@
+"""What ONNX Runtime's CPU provider really runs for each node qtool quantized.
+
+A QDQ model only states an intention: ORT's graph optimizer decides, at session creation, which
+DQ -> op -> Q groups become integer kernels (QLinearConv, QGemm, MatMulIntegerToFloat, ...) and
+which stay DequantizeLinear -> float op. qtool's report must show the outcome, so this module
+creates the session exactly as qtool's own sessions do (ort_session: CPU provider, ORT_ENABLE_ALL),
+has ORT save the graph it optimized, and reads that graph back.
+
+Mapping a planned node to the ORT node that executes it (see `fusion_truth`) relies on three facts
+measured on ORT 1.31 and true of its graph transformers in general:
+
+1. The QDQ fusions (QDQSelectorActionTransformer) create the fused node under the target node's
+   own name: Conv -> QLinearConv, Gemm -> QGemm, MatMul -> QLinearMatMul / MatMulIntegerToFloat /
+   MatMulNBits, Add -> QLinearAdd ... all keep the name, and so do float-side fusions such as
+   Conv + Relu -> FusedConv.
+2. When a later transformer replaces a node again, ORT names the replacement with
+   `Graph::GenerateNodeName(old name)`, i.e. the old name plus `_token_<n>`: the NHWC layout
+   transform turns QLinearConv `/stem/Conv` into com.microsoft QLinearConv `/stem/Conv_token_1`
+   and renames the tensors around it (`Transpose_out0`, ...), so tensor names cannot be trusted
+   there but the node name can.
+3. Where the name is gone, data flow still identifies the node: a fused node reads the int8
+   weight initializer qtool wrote for exactly that node (`{weight}_quantized`; MatMulNBits reads
+   it transposed as `{weight}_quantized_T`), and it writes the node's output tensor or the output
+   of the QuantizeLinear that it absorbed (possibly through an inserted Transpose).
+
+So a node is looked up by exact name, then by name + `_token_<n>` suffixes, then by the weights it
+reads and the tensors it writes; a node found by none of them was removed by ORT. Subgraphs
+(If/Loop bodies) are not searched: qtool does not quantize inside them.
+
+The reason a node stayed float is worked out by replaying the checks of ORT's QDQ node-group
+selectors (qdq_selectors.cc) on the QDQ model (structure: which inputs come from a
+DequantizeLinear, what consumes the output) and on ORT's optimized graph (data types, after ORT's
+own int8 -> uint8 rewrite). When no check explains it, the reason is None rather than a guess.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from qtool.errors import DataError, ModelError
+from qtool.ort_session import CPU_PROVIDER, _session_options, create_session, ort_reason
+
+FUSED = "fused"
+FLOAT = "float"
+REMOVED = "removed"
+
+# Ops with integer kernels: a planned node that ends up as one of these runs quantized.
+INTEGER_OPS = frozenset(
+    {
+        "QLinearConv",
+        "QLinearConvTranspose",
+        "QGemm",
+        "QLinearMatMul",
+        "MatMulIntegerToFloat",
+        "MatMulInteger",
+        "ConvInteger",
+        "DynamicQuantizeMatMul",
+        "MatMulNBits",
+        "QAttention",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearConcat",
+        "QLinearGlobalAveragePool",
+        "QLinearAveragePool",
+        "QLinearLeakyRelu",
+        "QLinearSigmoid",
+        "QLinearSoftmax",
+        "QLinearWhere",
+        "QLinearReduceMean",
+        "QEmbedLayerNormalization",
+        "DynamicQuantizeLSTM",
+    }
+)
+# What ORT's CPU QDQ fusions turn each op into (qdq_selector_action_transformer.cc).
+QLINEAR_FORMS = {
+    "Conv": "QLinearConv",
+    "MatMul": "QLinearMatMul or MatMulIntegerToFloat",
+    "Gemm": "QGemm",
+    "Add": "QLinearAdd",
+    "Mul": "QLinearMul",
+    "Concat": "QLinearConcat",
+    "AveragePool": "QLinearAveragePool",
+    "GlobalAveragePool": "QLinearGlobalAveragePool",
+    "LeakyRelu": "QLinearLeakyRelu",
+    "Sigmoid": "QLinearSigmoid",
+    "Softmax": "QLinearSoftmax",
+    "Where": "QLinearWhere",
+}
+# Ops ORT runs directly on the quantized data once it drops the DQ before and the Q after them.
+DATA_MOVEMENT_OPS = frozenset(
+    {
+        "Expand",
+        "Flatten",
+        "Gather",
+        "GatherElements",
+        "Reshape",
+        "Slice",
+        "Squeeze",
+        "Tile",
+        "Transpose",
+        "Unsqueeze",
+        "MaxPool",
+        "Resize",
+        "ReduceMax",
+        "ReduceMin",
+        "Split",
+        "ArgMax",
+    }
+)
+_QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+# Nodes that layout transforms insert around the node that does the work.
+_LAYOUT_OPS = frozenset({"Transpose", "ReorderInput", "ReorderOutput"})
+# Ops whose fusion needs a QuantizeLinear on the output; MatMul and Gemm fuse without one.
+_OUTPUT_Q_OPTIONAL = frozenset({"MatMul", "Gemm"})
+_INT_RANGES = {
+    TensorProto.UINT8: (0, 255),
+    TensorProto.INT8: (-128, 127),
+    TensorProto.UINT16: (0, 65535),
+    TensorProto.INT16: (-32768, 32767),
+}
+_NARROW_TYPES = {TensorProto.INT16, TensorProto.UINT16, TensorProto.INT4, TensorProto.UINT4}
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    """What ORT does with one planned node.
+
+    `status`: "fused" (an integer kernel runs it), "float" (DequantizeLinear -> float op) or
+    "removed" (ORT dropped it). `runs_as` is the ORT op type that executes it, `ort_node` that
+    node's name in ORT's optimized graph, `reason` why it stayed float or was removed (None when
+    fused, or when no known ORT rule explains it).
+    """
+
+    op_type: str
+    status: str
+    runs_as: str | None
+    ort_node: str | None
+    reason: str | None
+
+    def to_dict(self) -> dict:
+        return {
+            "op_type": self.op_type,
+            "status": self.status,
+            "runs_as": self.runs_as,
+            "ort_node": self.ort_node,
+            "reason": self.reason,
+        }
+
+
+class _Index:
+    """Producer/consumer/initializer lookups over one graph, built once."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        graph = model.graph
+        self.nodes = list(graph.node)
+        self.order = {id(node): index for index, node in enumerate(self.nodes)}
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.graph_outputs = {o.name for o in graph.output}
+        self.value_types: dict[str, int] = {}
+        for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+            if info.type.HasField("tensor_type"):
+                self.value_types[info.name] = info.type.tensor_type.elem_type
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        self.by_name: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.nodes:
+            self.by_name.setdefault(node.name, []).append(node)
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for name in node.input:
+                if name:
+                    self.consumers.setdefault(name, []).append(node)
+
+    def dq_producer(self, tensor: str) -> onnx.NodeProto | None:
+        node = self.producer.get(tensor)
+        return node if node is not None and node.op_type == "DequantizeLinear" else None
+
+    def quantized_type(self, tensor: str) -> int | None:
+        """Element type of an integer tensor: an initializer's, or the zero point's of its Q."""
+        if tensor in self.initializers:
+            return self.initializers[tensor].data_type
+        producer = self.producer.get(tensor)
+        if producer is not None and producer.op_type == "QuantizeLinear":
+            if len(producer.input) > 2 and producer.input[2]:
+                return self.quantized_type(producer.input[2])
+            return TensorProto.UINT8  # ONNX default when the zero point is omitted
+        return self.value_types.get(tensor)
+
+    def scalar(self, tensor: str) -> float | None:
+        init = self.initializers.get(tensor)
+        if init is None:
+            return None
+        values = numpy_helper.to_array(init)
+        return float(values.reshape(-1)[0]) if values.size == 1 else None
+
+
+# Loading
+
+
+def _load_structure(model: bytes | Path, what: str) -> onnx.ModelProto:
+    """The graph without external weight data: fusion depends on structure and dtypes only."""
+    try:
+        if isinstance(model, bytes):
+            return onnx.load_model_from_string(model)
+        path = Path(model)
+        if not path.is_file():
+            raise ModelError(f"{what} {path} does not exist")
+        return onnx.load(str(path), load_external_data=False)
+    except ModelError:
+        raise
+    except Exception as exc:  # protobuf raises DecodeError and friends for a corrupt file
+        name = "<in-memory model>" if isinstance(model, bytes) else str(model)
+        raise ModelError(f"{what} {name} is not a readable ONNX model: {exc}") from None
+
+
+def optimized_graph(model: bytes | Path, threads: int = 1) -> onnx.ModelProto:
+    """The graph ORT's CPU provider runs: optimized with qtool's session settings, saved, read back.
+
+    Uses the same options as every qtool session (ORT_ENABLE_ALL, sequential, deterministic), so
+    the fusions seen here are the ones `qtool evaluate` measures. The result may contain
+    com.microsoft ops (QLinearConv with channels_last, QGemm, ...) and the Transposes of ORT's
+    NHWC layout transform; it is hardware specific (ORT warns so when saving) and is meant to be
+    read, not shipped. Large initializers go to a side file in the temporary folder, so models
+    over 2 GB can be saved too; they are loaded back into the returned proto before the folder is
+    deleted.
+    """
+    if isinstance(model, bytes):
+        source: bytes | str = model
+        name = "<in-memory model>"
+    else:
+        path = Path(model)
+        if not path.is_file():
+            raise ModelError(f"model file {path} does not exist")
+        source, name = str(path), str(path)
+    import onnxruntime
+
+    with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
+        target = Path(folder) / "optimized.onnx"
+        options = _session_options(threads, optimize=True)
+        options.optimized_model_filepath = str(target)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(1 << 20)
+        )
+        try:
+            onnxruntime.InferenceSession(source, sess_options=options, providers=[CPU_PROVIDER])
+        except Exception as exc:  # ORT raises several private exception types for a bad model
+            raise ModelError(f"ONNX Runtime cannot load {name}: {ort_reason(exc)}") from exc
+        if not target.is_file():
+            raise ModelError(f"ONNX Runtime did not save the optimized graph of {name}")
+        return onnx.load(str(target))
+
+
+# Mapping planned nodes to ORT nodes
+
+
+def _name_candidates(name: str, ort: _Index) -> list[onnx.NodeProto]:
+    if not name:
+        return []
+    exact = [n for n in ort.by_name.get(name, []) if n.op_type not in _QDQ_OPS]
+    if exact:
+        return exact
+    generated = re.compile(re.escape(name) + r"(?:_token_\d+)+")
+    return [
+        n
+        for n in ort.nodes
+        if generated.fullmatch(n.name) and n.op_type not in _QDQ_OPS | _LAYOUT_OPS
+    ]
+
+
+def _weight_initializers(node: onnx.NodeProto, qdq: _Index) -> list[str]:
+    """The integer initializers behind the node's DequantizeLinear inputs (weights, biases)."""
+    names = []
+    for tensor in node.input:
+        dq = qdq.dq_producer(tensor) if tensor else None
+        if dq is not None and dq.input[0] in qdq.initializers:
+            names.append(dq.input[0])
+    return names
+
+
+def _written_tensors(node: onnx.NodeProto, qdq: _Index) -> set[str]:
+    """The node's outputs and the outputs of the QuantizeLinear nodes that read them."""
+    tensors = {out for out in node.output if out}
+    for out in list(tensors):
+        for consumer in qdq.consumers.get(out, []):
+            if consumer.op_type == "QuantizeLinear":
+                tensors.add(consumer.output[0])
+    return tensors
+
+
+def _structural_candidates(node: onnx.NodeProto, qdq: _Index, ort: _Index) -> list[onnx.NodeProto]:
+    weights = _weight_initializers(node, qdq)
+    readers: dict[int, tuple[int, onnx.NodeProto]] = {}
+    for candidate in ort.nodes:
+        if candidate.op_type in _QDQ_OPS:
+            continue
+        score = 0
+        for tensor in candidate.input:
+            for weight in weights:
+                if tensor == weight:
+                    score += 2
+                elif tensor.startswith(weight + "_"):  # e.g. MatMulNBits' transposed copy
+                    score += 1
+        if score:
+            readers[id(candidate)] = (score, candidate)
+    writers: dict[int, onnx.NodeProto] = {}
+    for tensor in _written_tensors(node, qdq):
+        producer = ort.producer.get(tensor)
+        seen = 0
+        while producer is not None and producer.op_type in _LAYOUT_OPS and seen < 8:
+            producer = ort.producer.get(producer.input[0])
+            seen += 1
+        if producer is not None and producer.op_type not in _QDQ_OPS | _LAYOUT_OPS:
+            writers[id(producer)] = producer
+    both = [readers[key] for key in readers if key in writers]
+    if both:
+        ranked = both
+    elif readers:
+        ranked = list(readers.values())
+    else:
+        ranked = [(0, n) for n in writers.values()]
+    ranked.sort(key=lambda item: (-item[0], ort.order[id(item[1])]))
+    return [n for _, n in ranked]
+
+
+def _find_ort_node(node: onnx.NodeProto, qdq: _Index, ort: _Index) -> onnx.NodeProto | None:
+    candidates = _name_candidates(node.name, ort) or _structural_candidates(node, qdq, ort)
+    return candidates[0] if candidates else None
+
+
+# Why a node stayed float
+
+
+def _required_dq_inputs(node: onnx.NodeProto) -> list[int]:
+    """Input slots ORT's selector wants fed by a DequantizeLinear for this op."""
+    present = [i for i, name in enumerate(node.input) if name]
+    if node.op_type == "Where":
+        return [i for i in present if i in (1, 2)]
+    if node.op_type in ("Conv", "Gemm", "Add", "Mul", "Concat"):
+        return present
+    if node.op_type == "MatMul":
+        return [i for i in present if i < 2]
+    return [i for i in present if i == 0]
+
+
+def _type_name(elem: int | None) -> str:
+    return TensorProto.DataType.Name(elem).lower() if elem is not None else "unknown"
+
+
+def _missing_dq_reason(node: onnx.NodeProto, qdq: _Index) -> str | None:
+    op = node.op_type
+    for index in _required_dq_inputs(node):
+        tensor = node.input[index]
+        if qdq.dq_producer(tensor) is not None:
+            continue
+        constant = qdq.initializers.get(tensor)
+        is_float_constant = constant is not None and constant.data_type == TensorProto.FLOAT
+        if op in ("Conv", "Gemm") and index in (1, 2) and is_float_constant:
+            continue  # ORT's WeightBiasQuantization quantizes float constant weights itself
+        if op in ("Conv", "Gemm", "MatMul") and index == 1:
+            return (
+                f"weights '{tensor}' are not a constant int8/uint8 DequantizeLinear "
+                "(ORT quantizes only float constant Conv/Gemm weights itself)"
+            )
+        if op in ("Conv", "Gemm") and index == 2:
+            return f"bias '{tensor}' is not produced by an int32 DequantizeLinear"
+        return f"input '{tensor}' is not produced by a DequantizeLinear"
+    return None
+
+
+def _clip_bounds(clip: onnx.NodeProto, qdq: _Index) -> tuple[float, float] | None:
+    if clip.op_type == "Relu":
+        return 0.0, math.inf
+    low, high = -math.inf, math.inf
+    for attr in clip.attribute:  # opset < 11 keeps the bounds as attributes
+        if attr.name == "min":
+            low = attr.f
+        elif attr.name == "max":
+            high = attr.f
+    for index, name in ((1, "min"), (2, "max")):
+        if len(clip.input) > index and clip.input[index]:
+            value = qdq.scalar(clip.input[index])
+            if value is None:
+                return None
+            low, high = (value, high) if name == "min" else (low, value)
+    return low, high
+
+
+def _clip_redundant(clip: onnx.NodeProto, quant: onnx.NodeProto, qdq: _Index) -> tuple[bool, str]:
+    """Whether the QuantizeLinear clamps at least as much as the Relu/Clip (ORT then drops it)."""
+    bounds = _clip_bounds(clip, qdq)
+    scale = qdq.scalar(quant.input[1])
+    zero_name = quant.input[2] if len(quant.input) > 2 else ""
+    zero = qdq.scalar(zero_name) if zero_name else 0.0
+    elem = qdq.quantized_type(zero_name) if zero_name else TensorProto.UINT8
+    if bounds is None or scale is None or zero is None or elem not in _INT_RANGES:
+        return False, "with non-constant bounds or quantization parameters"
+    q_min, q_max = _INT_RANGES[elem]
+    low, high = (q_min - zero) * scale, (q_max - zero) * scale
+    redundant = bounds[0] <= low and bounds[1] >= high
+    detail = (
+        f"whose {_type_name(elem)} zero point {int(zero)} lets through [{low:g}, {high:g}], "
+        f"wider than the {clip.op_type}'s [{bounds[0]:g}, {bounds[1]:g}]"
+    )
+    return redundant, detail
+
+
+def _only_quantized_in_ort(ort_node: onnx.NodeProto, ort: _Index) -> bool:
+    """True when ORT's graph has the node's output read by QuantizeLinear nodes only: ORT's QDQ
+    propagation moves a QuantizeLinear up through Reshape/Transpose, so the QDQ model alone can
+    show no QuantizeLinear where ORT saw one."""
+    out = ort_node.output[0] if ort_node.output else ""
+    consumers = ort.consumers.get(out, [])
+    return (
+        bool(consumers)
+        and out not in ort.graph_outputs
+        and all(c.op_type == "QuantizeLinear" for c in consumers)
+    )
+
+
+def _output_reason(
+    node: onnx.NodeProto, ort_node: onnx.NodeProto, qdq: _Index, ort: _Index
+) -> str | None:
+    op = node.op_type
+    fused_form = QLINEAR_FORMS.get(op, "a QLinear op")
+    out = node.output[0]
+    consumers = qdq.consumers.get(out, [])
+    optional = op in _OUTPUT_Q_OPTIONAL
+    if len(consumers) == 1 and consumers[0].op_type in ("Relu", "Clip"):
+        clip = consumers[0]
+        after = qdq.consumers.get(clip.output[0], [])
+        if (
+            out not in qdq.graph_outputs
+            and clip.output[0] not in qdq.graph_outputs
+            and len(after) == 1
+            and after[0].op_type == "QuantizeLinear"
+        ):
+            redundant, detail = _clip_redundant(clip, after[0], qdq)
+            if redundant:
+                return None
+            return (
+                f"a {clip.op_type} ('{clip.name}') between the {op} and its QuantizeLinear, "
+                f"{detail}: ORT fuses only when the QuantizeLinear makes it redundant"
+            )
+    quants = [c for c in consumers if c.op_type == "QuantizeLinear"]
+    others = [c for c in consumers if c.op_type != "QuantizeLinear"]
+    if optional and not quants:
+        return None
+    if out in qdq.graph_outputs:
+        return (
+            f"its output '{out}' is a graph output, and ORT forms {fused_form} only when a "
+            "QuantizeLinear is the output's sole consumer"
+        )
+    if not quants and _only_quantized_in_ort(ort_node, ort):
+        return None
+    if not quants:
+        if len(others) == 1 and others[0].op_type == "BatchNormalization":
+            return (
+                f"a BatchNormalization ('{others[0].name}') between the quantized {op} and its "
+                "QuantizeLinear"
+            )
+        return (
+            f"its output has no QuantizeLinear, and ORT forms {fused_form} only from "
+            f"DQ -> {op} -> Q"
+        )
+    if others:
+        return (
+            f"its output also feeds {others[0].op_type} '{others[0].name}' besides the "
+            f"QuantizeLinear; ORT fuses only when QuantizeLinear is the sole consumer"
+        )
+    return None
+
+
+def _input_types(ort_node: onnx.NodeProto, slots: list[int], ort: _Index) -> dict[int, int | None]:
+    types = {}
+    for index in slots:
+        if index >= len(ort_node.input):
+            continue
+        dq = ort.dq_producer(ort_node.input[index])
+        types[index] = ort.quantized_type(dq.input[0]) if dq is not None else None
+    return types
+
+
+def _output_type(ort_node: onnx.NodeProto, ort: _Index) -> int | None:
+    for consumer in ort.consumers.get(ort_node.output[0], []) if ort_node.output else []:
+        if consumer.op_type in ("Relu", "Clip"):
+            consumer = next(iter(ort.consumers.get(consumer.output[0], [])), consumer)
+        if consumer.op_type == "QuantizeLinear":
+            return ort.quantized_type(consumer.output[0])
+    return None
+
+
+def _int8_allowed() -> bool:
+    """ORT's QDQIsInt8Allowed(): int8 activations fuse into QLinearConv/MatMul only on ARM."""
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def _type_reason(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) -> str | None:
+    """Replays the dtype checks of ORT's selectors on the graph ORT saw (after s8 -> u8)."""
+    op = node.op_type
+    if ort_node.op_type in _QDQ_OPS:
+        return None
+    slots = _required_dq_inputs(node)
+    types = _input_types(ort_node, slots, ort)
+    known = [t for t in types.values() if t is not None]
+    narrow = [t for t in known if t in _NARROW_TYPES]
+    if narrow:
+        return f"{_type_name(narrow[0])} quantization has no ORT CPU QLinear kernel for {op}"
+    activation = types.get(0 if op != "Where" else 1)
+    weight = types.get(1)
+    if op in ("Conv", "MatMul") and activation == TensorProto.INT8:
+        if not _int8_allowed() or weight != TensorProto.INT8:
+            dq = ort.dq_producer(ort_node.input[0])
+            quant = ort.producer.get(dq.input[0]) if dq is not None else None
+            detail = ""
+            if quant is not None and quant.op_type == "QuantizeLinear":
+                readers = len(ort.consumers.get(quant.output[0], []))
+                if readers > 1:
+                    detail = (
+                        f"; ORT rewrites an int8 Q/DQ pair to uint8 only when its QuantizeLinear "
+                        f"feeds one DequantizeLinear, and '{quant.name}' feeds {readers}"
+                    )
+            return f"activation is int8 (ORT's CPU QLinear ops want uint8){detail}"
+    if op in ("Add", "Mul", "Concat", "Where") and len(set(known)) > 1:
+        names = " and ".join(sorted({_type_name(t) for t in known}))
+        return f"its inputs are quantized to different types ({names})"
+    output = _output_type(ort_node, ort)
+    if activation is not None and output is not None and activation != output:
+        return (
+            f"its input is {_type_name(activation)} but its output is quantized to "
+            f"{_type_name(output)}; ORT's QLinear ops need one type"
+        )
+    if op in ("Conv", "Gemm") and types.get(2) not in (None, TensorProto.INT32):
+        return f"bias is {_type_name(types[2])}; ORT needs an int32 bias"
+    return None
+
+
+def _gemm_reason(node: onnx.NodeProto) -> str | None:
+    if node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2]:
+        return None
+    beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0)
+    return None if beta == 1.0 else f"Gemm has a bias with beta = {beta:g} (QGemm needs beta = 1)"
+
+
+def _float_reason(
+    node: onnx.NodeProto, ort_node: onnx.NodeProto, qdq: _Index, ort: _Index
+) -> str | None:
+    op = node.op_type
+    if op in DATA_MOVEMENT_OPS:
+        return (
+            f"ORT runs {op} on quantized data only when one DequantizeLinear feeds it and one "
+            "QuantizeLinear with the same scale and zero point reads it"
+        )
+    if op not in QLINEAR_FORMS:
+        return f"ORT has no quantized kernel for {op} on the CPU"
+    return (
+        _missing_dq_reason(node, qdq)
+        or _output_reason(node, ort_node, qdq, ort)
+        or _type_reason(node, ort_node, ort)
+        or _gemm_reason(node)
+    )
+
+
+def _runs_quantized(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) -> bool:
+    if ort_node.op_type in INTEGER_OPS or ort_node.op_type.startswith("QLinear"):
+        return True
+    if node.op_type in DATA_MOVEMENT_OPS and ort_node.op_type == node.op_type:
+        data = ort_node.input[0] if ort_node.input else ""
+        elem = ort.quantized_type(data) if data else None
+        return elem in _INT_RANGES
+    return False
+
+
+def _planned_node(name: str, op_type: str, qdq: _Index) -> onnx.NodeProto:
+    nodes = qdq.by_name.get(name, [])
+    if not nodes:
+        raise ModelError(f"planned node '{name}' ({op_type}) is not in the quantized model")
+    if len(nodes) > 1:
+        raise ModelError(f"node name '{name}' is not unique in the quantized model")
+    node = nodes[0]
+    if node.op_type != op_type:
+        raise ModelError(
+            f"planned node '{name}' is a {op_type} in the plan but a {node.op_type} in the "
+            "quantized model"
+        )
+    return node
+
+
+def fusion_truth(
+    quantized: bytes | Path, planned: dict[str, str], threads: int = 1
+) -> dict[str, NodeRuntime]:
+    """For each planned node (name in qtool's QDQ model -> op type): what ORT's CPU provider runs.
+
+    The mapping rule (module docstring): exact name, then name + ORT's `_token_<n>` suffixes,
+    then the ORT node that reads the node's int8 weight initializers and writes its output (or
+    the output of the QuantizeLinear it absorbed). It is robust because each of these is an
+    identity ORT's transformers preserve: the QDQ actions and float fusions keep the target's
+    name, re-created nodes get GenerateNodeName(old name), and no fusion renames the initializers
+    it moves into the fused node. Results come back in the order of `planned`.
+    """
+    qdq = _Index(_load_structure(quantized, "quantized model"))
+    nodes = {name: _planned_node(name, op_type, qdq) for name, op_type in planned.items()}
+    ort = _Index(optimized_graph(quantized, threads))
+    truth: dict[str, NodeRuntime] = {}
+    for name, node in nodes.items():
+        found = _find_ort_node(node, qdq, ort)
+        if found is None:
+            truth[name] = NodeRuntime(
+                node.op_type,
+                REMOVED,
+                None,
+                None,
+                "ORT removed it (constant folding or elimination): no node of the optimized "
+                "graph has its name, reads its weights or writes its output",
+            )
+        elif _runs_quantized(node, found, ort):
+            truth[name] = NodeRuntime(node.op_type, FUSED, found.op_type, found.name, None)
+        else:
+            reason = _float_reason(node, found, qdq, ort)
+            truth[name] = NodeRuntime(node.op_type, FLOAT, found.op_type, found.name, reason)
+    return truth
+
+
+def fusion_summary(truth: dict[str, NodeRuntime]) -> dict:
+    """JSON-ready totals: planned vs fused per op type (and into what), and every unfused node."""
+    by_op: dict[str, dict] = {}
+    unfused = []
+    for name, runtime in truth.items():
+        entry = by_op.setdefault(runtime.op_type, {"planned": 0, "fused": 0, "runs_as": {}})
+        entry["planned"] += 1
+        if runtime.status == FUSED:
+            entry["fused"] += 1
+        key = runtime.runs_as or REMOVED
+        entry["runs_as"][key] = entry["runs_as"].get(key, 0) + 1
+        if runtime.status != FUSED:
+            unfused.append({"name": name, **runtime.to_dict()})
+    for entry in by_op.values():
+        entry["runs_as"] = dict(sorted(entry["runs_as"].items()))
+    fused = sum(1 for r in truth.values() if r.status == FUSED)
+    return {
+        "planned": len(truth),
+        "fused": fused,
+        "float": sum(1 for r in truth.values() if r.status == FLOAT),
+        "removed": sum(1 for r in truth.values() if r.status == REMOVED),
+        "by_op_type": dict(sorted(by_op.items())),
+        "unfused": unfused,
+    }
+
+
+# Fused vs unfused numerics
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def compare_fused_unfused(
+    quantized: bytes | Path, feeds: Iterable[dict[str, np.ndarray]], threads: int = 1
+) -> dict[str, float]:
+    """Per model output: SQNR (dB) of the ORT_ENABLE_ALL session against ORT_DISABLE_ALL.
+
+    ORT_DISABLE_ALL runs the QDQ graph literally (DequantizeLinear -> float op -> QuantizeLinear),
+    which is what calibration and sensitivity analysis assume; ORT_ENABLE_ALL runs the integer
+    kernels. Where they differ, the integer kernels round (requantization) or saturate (uint8 x
+    int8 on x86 without VNNI) differently. inf means bit-identical outputs over all batches.
+    """
+    source = quantized if isinstance(quantized, bytes) else Path(quantized)
+    fused = create_session(source, threads=threads, optimize=True)
+    unfused = create_session(source, threads=threads, optimize=False)
+    names = [o.name for o in unfused.get_outputs()]
+    signal = dict.fromkeys(names, 0.0)
+    noise = dict.fromkeys(names, 0.0)
+    batches = 0
+    for index, feed in enumerate(feeds):
+        try:
+            reference = unfused.run(names, feed)
+            candidate = fused.run(names, feed)
+        except Exception as exc:  # ORT raises private types for bad feeds
+            reason = ort_reason(exc)
+            raise DataError(f"batch {index} cannot run the quantized model: {reason}") from exc
+        for name, ref, out in zip(names, reference, candidate, strict=True):
+            ref64 = np.asarray(ref, dtype=np.float64)
+            out64 = np.asarray(out, dtype=np.float64)
+            signal[name] += float(np.sum(ref64 * ref64))
+            noise[name] += float(np.sum((ref64 - out64) ** 2))
+        batches += 1
+    if batches == 0:
+        raise DataError("compare_fused_unfused needs at least one batch of inputs")
+    return {name: _sqnr_db(signal[name], noise[name]) for name in names}
