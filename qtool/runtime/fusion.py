@@ -623,8 +623,8 @@ def fusion_truth(
                 REMOVED,
                 None,
                 None,
-                "ORT removed it: no node of the optimized graph has its name, reads its weights "
-                "or writes its output",
+                "ORT removed it (constant folding or elimination): no node of the optimized "
+                "graph has its name, reads its weights or writes its output",
             )
         elif _runs_quantized(node, found, ort):
             truth[name] = NodeRuntime(node.op_type, FUSED, found.op_type, found.name, None)
