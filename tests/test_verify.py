@@ -1,4 +1,4 @@
-"""The verify stage end to end, plus fusion truth on hand-made graphs that ORT cannot fuse.
+"""The verify stage end to end: what quantize records in report.json and warns about.
 
 qtool/runtime/fusion.py has its own tests (tests/test_fusion.py); these check that quantize records
 the truth in report.json, warns about unfused nodes and compares fused with unfused outputs."""
