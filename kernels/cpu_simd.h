@@ -195,26 +195,40 @@ constexpr int kUnroll = 4;
 
 // Rounding toward -inf for CVTPS2DQ (floor) and the FMA in the speculative kernel; restored on
 // scope exit so no other code runs under it.
+// The asm statements are memory barriers: the loop's loads and stores, and so all arithmetic
+// between them, stay inside the region (plain _mm_setcsr does not order arithmetic).
 struct RoundDown {
   unsigned saved;
-  RoundDown() : saved(_mm_getcsr()) { _mm_setcsr((saved & ~0x6000u) | 0x2000u); }
-  ~RoundDown() { _mm_setcsr(saved); }
+  static void load(unsigned v) { __asm__ __volatile__("vldmxcsr %0" : : "m"(v) : "memory"); }
+  RoundDown() {
+    __asm__ __volatile__("vstmxcsr %0" : "=m"(saved) : : "memory");
+    load((saved & ~0x6000u) | 0x2000u);
+  }
+  ~RoundDown() { load(saved); }
 };
 
+// Slot offset of each lane's copy (lane l counts into copy l % C), added to the bin indices.
 template <int C>
-inline __attribute__((always_inline)) void scatter(__m256i idx, uint32_t* base, int64_t s) {
+inline __m256i lane_offsets(int64_t s) {
+  const int32_t o = static_cast<int32_t>(s);
+  return _mm256_setr_epi32(0, (1 % C) * o, (2 % C) * o, (3 % C) * o, (4 % C) * o, (5 % C) * o,
+                           (6 % C) * o, (7 % C) * o);
+}
+
+// One increment per lane; idx already holds the copy offsets.
+inline __attribute__((always_inline)) void scatter(__m256i idx, uint32_t* base) {
   const __m128i lo = _mm256_castsi256_si128(idx);
   const __m128i hi = _mm256_extracti128_si256(idx, 1);
   const uint64_t a = (uint64_t)_mm_cvtsi128_si64(lo), b = (uint64_t)_mm_extract_epi64(lo, 1);
   const uint64_t c = (uint64_t)_mm_cvtsi128_si64(hi), d = (uint64_t)_mm_extract_epi64(hi, 1);
-  base[(0 % C) * s + (uint32_t)a] += 1;
-  base[(1 % C) * s + (a >> 32)] += 1;
-  base[(2 % C) * s + (uint32_t)b] += 1;
-  base[(3 % C) * s + (b >> 32)] += 1;
-  base[(4 % C) * s + (uint32_t)c] += 1;
-  base[(5 % C) * s + (c >> 32)] += 1;
-  base[(6 % C) * s + (uint32_t)d] += 1;
-  base[(7 % C) * s + (d >> 32)] += 1;
+  base[(uint32_t)a] += 1;
+  base[a >> 32] += 1;
+  base[(uint32_t)b] += 1;
+  base[b >> 32] += 1;
+  base[(uint32_t)c] += 1;
+  base[c >> 32] += 1;
+  base[(uint32_t)d] += 1;
+  base[d >> 32] += 1;
 }
 
 inline QtMinMax finish(__m256 mn, __m256 mx, uint32_t neg_any, uint32_t neg_all) {
@@ -262,8 +276,10 @@ bool observe_fast_c(const float* x, int64_t n, const BinParams& p, LocalHist& h,
   const __m256 scale = _mm256_set1_ps(p.f_scale), bias = _mm256_set1_ps(p.f_bias);
   const __m256 zero = _mm256_setzero_ps();
   const __m256i half = _mm256_set1_epi32(p.half), over = _mm256_set1_epi32((int32_t)p.nbins);
-  const __m256i zslot = _mm256_add_epi32(_mm256_set1_epi32((int32_t)p.nbins + 1),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i offsets = lane_offsets<C>(s);
+  const __m256i zslot = _mm256_add_epi32(
+      _mm256_set1_epi32((int32_t)p.nbins + 1),
+      _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), offsets));
   __m256 mn = _mm256_set1_ps(INFINITY), mx = _mm256_set1_ps(-INFINITY);
   uint32_t neg_any = 0, neg_all = 0xffu;
   int64_t i = 0;
@@ -280,12 +296,13 @@ bool observe_fast_c(const float* x, int64_t n, const BinParams& p, LocalHist& h,
         neg_all &= m;
         // floor(x + bias) under round-down; NaN/Inf/huge convert to INT_MIN -> overflow slot
         const __m256i k = _mm256_cvtps_epi32(_mm256_fmadd_ps(v, scale, bias));
-        const __m256i bin = _mm256_min_epu32(_mm256_add_epi32(k, half), over);
+        __m256i bin = _mm256_min_epu32(_mm256_add_epi32(k, half), over);
+        if (C > 1) bin = _mm256_add_epi32(bin, offsets);
         const __m256 is_zero = _mm256_cmp_ps(v, zero, _CMP_EQ_OQ);
         idx[u] = _mm256_blendv_epi8(bin, zslot, _mm256_castps_si256(is_zero));
       }
       QT_COMPILER_BARRIER();
-      for (int u = 0; u < kUnroll; ++u) scatter<C>(idx[u], base, s);
+      for (int u = 0; u < kUnroll; ++u) scatter(idx[u], base);
     }
   }
   QtMinMax r = finish(mn, mx, neg_any, neg_all);
@@ -308,8 +325,10 @@ void observe_exact_c(const float* x, int64_t n, const BinParams& p, LocalHist& h
   const __m256d r = _mm256_set1_pd((double)p.half_range), sc = _mm256_set1_pd(p.scale);
   const __m256d dzero = _mm256_setzero_pd(), dlast = _mm256_set1_pd((double)p.last);
   const __m256i half = _mm256_set1_epi32(p.half), last = _mm256_set1_epi32(p.last);
-  const __m256i zslot = _mm256_add_epi32(_mm256_set1_epi32((int32_t)p.nbins + 1),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i offsets = lane_offsets<C>(s);
+  const __m256i zslot = _mm256_add_epi32(
+      _mm256_set1_epi32((int32_t)p.nbins + 1),
+      _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), offsets));
   __m256 mn = _mm256_set1_ps(INFINITY), mx = _mm256_set1_ps(-INFINITY);
   uint32_t neg_any = 0, neg_all = 0xffu;
   QtMinMax slow = qt_minmax_init();
@@ -347,11 +366,12 @@ void observe_exact_c(const float* x, int64_t n, const BinParams& p, LocalHist& h
         bin = _mm256_set_m128i(_mm256_cvttpd_epi32(hi), _mm256_cvttpd_epi32(lo));
       }
       bin = _mm256_min_epi32(bin, last);
+      if (C > 1) bin = _mm256_add_epi32(bin, offsets);
       const __m256 is_zero = _mm256_cmp_ps(v[u], zero, _CMP_EQ_OQ);
       idx[u] = _mm256_blendv_epi8(bin, zslot, _mm256_castps_si256(is_zero));
     }
     QT_COMPILER_BARRIER();
-    for (int u = 0; u < kUnroll; ++u) scatter<C>(idx[u], base, s);
+    for (int u = 0; u < kUnroll; ++u) scatter(idx[u], base);
   }
   scalar_observe(x + i, n - i, p, base, slow);
   QtMinMax res = finish(mn, mx, neg_any, neg_all);
@@ -407,8 +427,17 @@ inline uint32_t nonfinite_mask(__m512 v) {
 }
 
 template <int C>
-inline __attribute__((always_inline)) void scatter(const int32_t* idx, uint32_t* base, int64_t s) {
-  for (int l = 0; l < W; ++l) base[(l % C) * s + idx[l]] += 1;
+inline __m512i lane_offsets(int64_t s) {
+  const int32_t o = static_cast<int32_t>(s);
+  return _mm512_setr_epi32(0, (1 % C) * o, (2 % C) * o, (3 % C) * o, (4 % C) * o, (5 % C) * o,
+                           (6 % C) * o, (7 % C) * o, (8 % C) * o, (9 % C) * o, (10 % C) * o,
+                           (11 % C) * o, (12 % C) * o, (13 % C) * o, (14 % C) * o,
+                           (15 % C) * o);
+}
+
+// One increment per lane; idx already holds the copy offsets.
+inline __attribute__((always_inline)) void scatter(const int32_t* idx, uint32_t* base) {
+  for (int l = 0; l < W; ++l) base[idx[l]] += 1;
 }
 
 inline QtMinMax finish(__m512 mn, __m512 mx, uint32_t neg_any, uint32_t neg_all) {
@@ -418,9 +447,11 @@ inline QtMinMax finish(__m512 mn, __m512 mx, uint32_t neg_any, uint32_t neg_all)
   return lanes_finish(a, b, W, neg_any, neg_all, 0xffffu);
 }
 
-inline __m512i zero_slots(const BinParams& p) {
+inline __m512i zero_slots(const BinParams& p, __m512i offsets) {
+  const __m512i lanes =
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return _mm512_add_epi32(_mm512_set1_epi32((int32_t)p.nbins + 1),
-                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                          _mm512_add_epi32(lanes, offsets));
 }
 
 inline QtMinMax minmax(const float* x, int64_t n) {
@@ -457,7 +488,8 @@ bool observe_fast_c(const float* x, int64_t n, const BinParams& p, LocalHist& h,
   const __m512 scale = _mm512_set1_ps(p.f_scale), bias = _mm512_set1_ps(p.f_bias);
   const __m512 zero = _mm512_setzero_ps();
   const __m512i half = _mm512_set1_epi32(p.half), over = _mm512_set1_epi32((int32_t)p.nbins);
-  const __m512i zslot = zero_slots(p);
+  const __m512i offsets = lane_offsets<C>(s);
+  const __m512i zslot = zero_slots(p, offsets);
   __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
   uint32_t neg_any = 0, neg_all = 0xffffu;
   alignas(64) int32_t idx[kUnroll * W];
@@ -472,11 +504,12 @@ bool observe_fast_c(const float* x, int64_t n, const BinParams& p, LocalHist& h,
       neg_all &= m;
       const __m512 t = _mm512_fmadd_round_ps(v, scale, bias, QT_RD);
       const __m512i k = _mm512_cvt_roundps_epi32(t, QT_RD);
-      const __m512i bin = _mm512_min_epu32(_mm512_add_epi32(k, half), over);
+      __m512i bin = _mm512_min_epu32(_mm512_add_epi32(k, half), over);
+      if (C > 1) bin = _mm512_add_epi32(bin, offsets);
       const __mmask16 is_zero = _mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ);
       _mm512_store_si512(idx + u * W, _mm512_mask_mov_epi32(bin, is_zero, zslot));
     }
-    for (int u = 0; u < kUnroll; ++u) scatter<C>(idx + u * W, base, s);
+    for (int u = 0; u < kUnroll; ++u) scatter(idx + u * W, base);
   }
   QtMinMax r = finish(mn, mx, neg_any, neg_all);
   QtMinMax tail = qt_minmax_init();
@@ -496,7 +529,8 @@ void observe_exact_c(const float* x, int64_t n, const BinParams& p, LocalHist& h
   const __m512d r = _mm512_set1_pd((double)p.half_range), sc = _mm512_set1_pd(p.scale);
   const __m512d dzero = _mm512_setzero_pd(), dlast = _mm512_set1_pd((double)p.last);
   const __m512i half = _mm512_set1_epi32(p.half), last = _mm512_set1_epi32(p.last);
-  const __m512i zslot = zero_slots(p);
+  const __m512i offsets = lane_offsets<C>(s);
+  const __m512i zslot = zero_slots(p, offsets);
   __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
   uint32_t neg_any = 0, neg_all = 0xffffu;
   QtMinMax slow = qt_minmax_init();
@@ -535,10 +569,11 @@ void observe_exact_c(const float* x, int64_t n, const BinParams& p, LocalHist& h
                                  _mm512_cvttpd_epi32(hi), 1);
       }
       bin = _mm512_min_epi32(bin, last);
+      if (C > 1) bin = _mm512_add_epi32(bin, offsets);
       const __mmask16 is_zero = _mm512_cmp_ps_mask(v[u], zero, _CMP_EQ_OQ);
       _mm512_store_si512(idx + u * W, _mm512_mask_mov_epi32(bin, is_zero, zslot));
     }
-    for (int u = 0; u < kUnroll; ++u) scatter<C>(idx + u * W, base, s);
+    for (int u = 0; u < kUnroll; ++u) scatter(idx + u * W, base);
   }
   scalar_observe(x + i, n - i, p, base, slow);
   QtMinMax res = finish(mn, mx, neg_any, neg_all);
