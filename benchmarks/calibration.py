@@ -1,13 +1,21 @@
-"""Side-by-side calibration benchmark: qtool vs ONNX Runtime's quantizer.
+"""Calibration benchmark: qtool vs the inference floor and vs ONNX Runtime's quantizer.
 
-One run measures, on the same exported ONNX models and the same calibration inputs, the wall time
-and peak RSS of `qtool quantize RECIPE` and of `onnxruntime.quantization.quantize_static` (each in
-its own process), then the batch-1 CPU latency of the FP32 model and of both quantized models.
-The point is the ratios: ORT's histogram calibrators keep every activation of every batch in
-memory until the end, qtool's observers stream, so ORT's memory grows with the sample count and
-qtool's should not. See benchmarks/README.md for how to run it and read it.
+One run measures, on the same exported ONNX models and the same calibration inputs, each in its
+own process, the wall time, CPU seconds and peak RSS of
+- `qtool quantize RECIPE` (calibrate + quantize);
+- the inference floor: plain FP32 ONNX Runtime over the same batches, on qtool's prepared model
+  with the tensors qtool observes exposed as outputs, and without them (benchmarks/_floor.py);
+- `onnxruntime.quantization.quantize_static` (unless --skip-ort);
+then the batch-1 CPU latency of the FP32 model and of both quantized models, and the statistics
+kernels' throughput next to the bandwidth floor (np.sum over the same array).
 
-    python -m benchmarks.calibration --models cnn --samples 8,16 --small
+The ratios are the point: qtool's CPU seconds over the floor's (what calibration adds to the
+inference it cannot avoid), qtool's peak memory over that of an ORT session exposing the same
+outputs, and ORT's quantizer over qtool (its histogram calibrators keep every activation of every
+batch, so its memory grows with the sample count; qtool's observers stream). See
+benchmarks/README.md for how to run it and read it.
+
+    python -m benchmarks.calibration --models cnn --samples 8,16 --small --skip-ort
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks._measure import Measured, run_measured
+from benchmarks.kernels import bench_streaming
 from benchmarks.models import BUILDERS, BenchModel, calibration_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +150,48 @@ def run_qtool(model: BenchModel, data: Path, method: str, run_dir: Path, timeout
     return {**_expect_file(m, out).to_dict(), "cmd": cmd, "model_out": str(out)}
 
 
+def write_floor_models(model: BenchModel, data: Path, work: Path) -> dict:
+    """qtool's prepared float model as is and with the tensors qtool observes as extra outputs:
+    what the floor runs, so both sides run the very same graph."""
+    from qtool.calibration.collect import save_with_extra_outputs
+    from qtool.pipeline import prepare
+    from qtool.recipe import load_recipe
+
+    out = work / model.name / "floor"
+    recipe = write_recipe(model, data, "entropy", out)
+    prepared = prepare(load_recipe(recipe))
+    tensors = prepared.layout.stats_tensors()
+    plain, exposed = out / "plain.onnx", out / "exposed.onnx"
+    plain.write_bytes(prepared.serialized)
+    save_with_extra_outputs(prepared.model, tensors, exposed)
+    return {"plain": str(plain), "exposed": str(exposed), "observed_tensors": len(tensors)}
+
+
+def run_floor(models: dict, data: Path, run_dir: Path, timeout: float) -> dict:
+    """Both floor variants over `data`, each in its own measured process."""
+    out = {}
+    for variant in ("exposed", "plain"):
+        result = _fresh(run_dir / f"floor_{variant}.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks._floor",
+            "--model",
+            models[variant],
+            "--data",
+            str(data),
+            "--batch-size",
+            str(BATCH_SIZE),
+            "--json",
+            str(result),
+        ]
+        m = _expect_file(
+            run_measured(cmd, run_dir / f"floor_{variant}.log", timeout, cwd=REPO), result
+        )
+        out[variant] = {**m.to_dict(), **(json.loads(result.read_text()) if m.ok else {})}
+    return out
+
+
 def run_ort_preprocess(model: BenchModel, work: Path, timeout: float) -> tuple[Measured, Path]:
     out = _fresh(work / model.name / "ort_preprocessed.onnx")
     cmd = _child("ort-preprocess", "--model", str(model.onnx_path), "--out", str(out))
@@ -188,11 +239,20 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num and den else None
 
 
-def add_ratios(row: dict) -> None:
+def add_ratios(row: dict, floor: dict) -> None:
     q, o = row["qtool"], row["ort"]
     both = q.get("status") == "ok" and o.get("status") == "ok"
     row["time_ratio_ort_over_qtool"] = _ratio(o["wall_s"], q["wall_s"]) if both else None
     row["memory_ratio_ort_over_qtool"] = _ratio(o["peak_mb"], q["peak_mb"]) if both else None
+    for variant in ("exposed", "plain"):
+        f = floor.get(variant, {})
+        ok = q.get("status") == "ok" and f.get("status") == "ok"
+        row[f"cpu_ratio_qtool_over_floor_{variant}"] = (
+            _ratio(q["cpu_s"], f["cpu_s"]) if ok else None
+        )
+        row[f"memory_ratio_qtool_over_floor_{variant}"] = (
+            _ratio(q["peak_mb"], f["peak_mb"]) if ok else None
+        )
 
 
 # --------------------------------------------------------------------------- output
@@ -243,6 +303,7 @@ def print_tables(console: Console, report: dict) -> None:
             _rcell(r["memory_ratio_ort_over_qtool"]),
         )
     console.print(t)
+    print_floor_table(console, report)
     for name, info in report["models"].items():
         pre = info.get("ort_preprocess")
         if pre and pre["status"] == "ok":
@@ -295,6 +356,75 @@ def print_tables(console: Console, report: dict) -> None:
     console.print(lt)
 
 
+def print_floor_table(console: Console, report: dict) -> None:
+    ft = Table(
+        title="qtool calibrate+quantize vs the inference floor (FP32 ORT over the same batches, "
+        "observed tensors exposed / plain); CPU s = user+sys of each process"
+    )
+    for col in (
+        "model",
+        "method",
+        "samples",
+        "qtool wall s",
+        "qtool CPU s",
+        "floor CPU s",
+        "plain CPU s",
+        "qtool/floor CPU",
+        "qtool/plain CPU",
+        "qtool peak MB",
+        "floor peak MB",
+        "plain peak MB",
+        "qtool/floor mem",
+    ):
+        ft.add_column(col, justify="left" if col in ("model", "method") else "right")
+    for r in report["runs"]:
+        floor = report["floor"].get(f"{r['model']}/{r['samples']}", {})
+        ex, pl = floor.get("exposed", {}), floor.get("plain", {})
+        ft.add_row(
+            r["model"],
+            r["method"],
+            str(r["samples"]),
+            _cell(r["qtool"], "wall_s", "{:.1f}"),
+            _cell(r["qtool"], "cpu_s", "{:.1f}"),
+            _cell(ex, "cpu_s", "{:.1f}"),
+            _cell(pl, "cpu_s", "{:.1f}"),
+            _rcell(r.get("cpu_ratio_qtool_over_floor_exposed")),
+            _rcell(r.get("cpu_ratio_qtool_over_floor_plain")),
+            _cell(r["qtool"], "peak_mb", "{:.0f}"),
+            _cell(ex, "peak_mb", "{:.0f}"),
+            _cell(pl, "peak_mb", "{:.0f}"),
+            _rcell(r.get("memory_ratio_qtool_over_floor_exposed")),
+        )
+    console.print(ft)
+    kern = report.get("kernels")
+    if kern:
+        kt = Table(title=f"Statistics kernels, {kern['elements']:,} float32 ({kern['data']})")
+        for col in ("kernel", "isa", "threads", "wall G/s", "G/CPU-s", "x np.sum"):
+            kt.add_column(col, justify="left" if col in ("kernel", "isa") else "right")
+        for row in kern["rows"]:
+            per_cpu = row["g_per_cpu_s"]
+            kt.add_row(
+                row["kernel"],
+                row["isa"],
+                str(row["threads"]),
+                f"{row['g_per_s']:.2f}",
+                "-" if per_cpu is None else f"{per_cpu:.2f}",
+                f"{row['vs_floor']:.2f}x",
+            )
+        console.print(kt)
+
+
+def run_kernels(elements: int, repeats: int) -> dict:
+    """The observer's kernels on N(0, 1) float32 next to np.sum over the same array, with the
+    best instruction set, 1 thread and all."""
+    import qtool.kernels as k
+
+    x = np.random.default_rng(0).standard_normal(elements, dtype=np.float32)
+    threads = sorted({1, k.cpu_threads()})
+    rows = bench_streaming(x, repeats, threads, isas=[k.cpu_isa()])
+    return {"elements": elements, "data": "N(0, 1)", "isa": k.cpu_isa(), "rows": rows}
+
+
 def save_json(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -330,6 +460,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-ort", action="store_true", help="run only qtool")
     p.add_argument("--skip-qtool", action="store_true", help="run only ONNX Runtime")
     p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--skip-floor", action="store_true", help="no inference-floor runs")
+    p.add_argument(
+        "--kernel-elements",
+        type=int,
+        default=100_000_000,
+        help="array size for the kernel throughput rows (0: skip them)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     p.add_argument("--latency-runs", type=int, default=50)
     p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads for latency")
@@ -364,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "models": {},
         "runs": [],
+        "floor": {},
         "latency": [],
     }
     for name in args.models:
@@ -374,12 +512,24 @@ def main(argv: list[str] | None = None) -> int:
             "onnx": str(model.onnx_path),
             "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in model.inputs.items()},
         }
+        floor_models = None
+        if not args.skip_floor:
+            with console.status(f"{name}: floor models"):
+                floor_models = write_floor_models(model, data[samples[0]], work / "runs")
+            report["models"][name]["floor"] = floor_models
         pre, pre_model = (None, None)
         if not args.skip_ort:
             with console.status(f"{name}: ORT quant_pre_process"):
                 pre, pre_model = run_ort_preprocess(model, work / "runs", args.timeout)
             report["models"][name]["ort_preprocess"] = pre.to_dict()
         for n in samples:
+            floor: dict = {}
+            if floor_models is not None:
+                with console.status(f"{name} {n}: inference floor"):
+                    floor = run_floor(
+                        floor_models, data[n], work / "runs" / name / f"floor_{n}", args.timeout
+                    )
+                report["floor"][f"{name}/{n}"] = floor
             for method in args.methods:
                 run_dir = work / "runs" / name / f"{method}_{n}"
                 row: dict = {"model": name, "method": method, "samples": n, "qtool": {}, "ort": {}}
@@ -389,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.skip_ort:
                     with console.status(f"{name} {method} {n}: ORT"):
                         row["ort"] = run_ort(pre, pre_model, data[n], method, run_dir, args.timeout)
-                add_ratios(row)
+                add_ratios(row, floor)
                 report["runs"].append(row)
                 save_json(report, args.json)
                 console.log(
@@ -399,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_latency:
             report["latency"] += latency_rows(model, report["runs"], data, work, args)
             save_json(report, args.json)
+    if args.kernel_elements > 0:
+        with console.status("kernels"):
+            report["kernels"] = run_kernels(args.kernel_elements, repeats=3)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save_json(report, args.json)
     print_tables(console, report)

@@ -70,8 +70,10 @@ def _power_of_two_above(x: np.ndarray) -> float:
     return float(2.0 ** (np.floor(np.log2(max(abs(lo), abs(hi)))) + 1))
 
 
-def bench_streaming(x: np.ndarray, repeats: int, thread_counts: list[int]) -> list[dict]:
-    """Rows: one per (instruction set, threads, kernel), plus the np.sum floor per thread row."""
+def bench_streaming(
+    x: np.ndarray, repeats: int, thread_counts: list[int], isas: list[str] | None = None
+) -> list[dict]:
+    """Rows: one per (instruction set, threads, kernel), and the np.sum floor first."""
     r = _power_of_two_above(x)
     counts = np.zeros(NBINS, np.int64)
     cases: dict[str, Callable[[], object]] = {
@@ -83,7 +85,7 @@ def bench_streaming(x: np.ndarray, repeats: int, thread_counts: list[int]) -> li
     floor = _measure(lambda: np.sum(x), repeats)  # single-threaded in numpy
     rows.append({"kernel": "np.sum (floor)", "isa": "numpy", "threads": 1, **floor})
     try:
-        for isa in k.supported_cpu_isas():
+        for isa in isas or k.supported_cpu_isas():
             k.set_cpu_isa(isa)
             for threads in thread_counts:
                 k.set_cpu_threads(threads)
