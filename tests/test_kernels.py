@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -606,3 +607,31 @@ def test_environment_forces_isa_and_threads() -> None:
 def test_observe_bad_arguments_raise_kernel_error(call) -> None:
     with pytest.raises(KernelError):
         call()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_working_pool(threads) -> None:
+    """The child inherits the pool object but none of its threads; it must build its own rather
+    than wait forever for workers that do not exist."""
+    threads(2)
+    x = np.random.default_rng(25).standard_normal(1_500_000).astype(np.float32)
+    expected = k.tensor_minmax(x)  # the parent's pool threads exist now
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the multi-threaded kernels work
+        ok = False
+        try:
+            ok = k.tensor_minmax(x) == expected
+            counts = np.zeros(4096, np.int64)
+            ok = ok and k.observe(x, 8.0, counts)[3] and int(counts.sum()) == x.size
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in the kernel thread pool")
