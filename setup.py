@@ -9,6 +9,13 @@ Project metadata lives in pyproject.toml; this file only adds the `build_kernels
   install fails loudly rather than silently shipping a CPU-only package.
 - `build_info.json`: which backends were built, with which compiler, and why not.
 
+The CPU library is built for the baseline x86-64 (or any other architecture); its AVX2 and
+AVX-512 kernels are compiled with per-function target options and chosen at run time from CPUID
+(kernels/cpu_simd.h), so one build runs on every x86-64 and builds on ARM. Never add
+-march=native here: the wheel would crash on older CPUs.
+
+Rebuild in the source tree after editing kernels/: `python setup.py build_kernels --inplace`.
+
 Environment:
   QTOOL_NO_CUDA=1   skip the CUDA library even when nvcc is available.
   CXX               host C++ compiler for the CPU library (default g++).
@@ -37,6 +44,8 @@ CPU_LIB = "libqtool_cpu.so"
 CUDA_LIB = "libqtool_cuda.so"
 BUILD_INFO = "build_info.json"
 
+# -ffp-contract=off: no FMA contraction of the shared math (the SIMD kernels use FMA only where
+# cpu_simd.h proves the bin is unchanged).
 CXX_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-pthread", "-ffp-contract=off"]
 # -fmad=false: no FMA contraction, so device math matches the host bit for bit.
 NVCC_FLAGS = [
@@ -87,14 +96,18 @@ class BuildKernels(Command):
     """Compile kernels/ into shared libraries next to the qtool package."""
 
     description = "compile the qtool C++/CUDA statistics kernels"
-    user_options: list = []
+    user_options: list = [("inplace", "i", "build into qtool/_lib/ of the source tree")]
+    boolean_options = ["inplace"]
 
     def initialize_options(self) -> None:
         self.build_lib: str | None = None
         self.editable_mode = False
+        self.inplace = False
 
     def finalize_options(self) -> None:
         self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+        if self.inplace:
+            self.editable_mode = True
 
     def _out_dir(self) -> Path:
         # Editable installs import qtool from the source tree, so the libraries must live there.

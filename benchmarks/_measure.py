@@ -31,6 +31,7 @@ class Measured:
     peak_mb: float
     returncode: int | None
     log: str
+    cpu_s: float = 0.0  # user + system CPU seconds of the child and everything it waited for
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,8 @@ while True:
         break
     time.sleep(0.02)
 print(json.dumps({"wall_s": time.perf_counter() - t0, "rc": os.waitstatus_to_exitcode(status),
-                  "maxrss_kb": ru.ru_maxrss, "timed_out": timed_out}))
+                  "maxrss_kb": ru.ru_maxrss, "cpu_s": ru.ru_utime + ru.ru_stime,
+                  "timed_out": timed_out}))
 """
 
 
@@ -108,7 +110,7 @@ def run_measured(cmd: list[str], log: Path, timeout_s: float, cwd: Path | None =
         status = f"failed: {reason}"
     else:
         status = "ok"
-    return Measured(status, r["wall_s"], r["maxrss_kb"] / 1024.0, rc, str(log))
+    return Measured(status, r["wall_s"], r["maxrss_kb"] / 1024.0, rc, str(log), r["cpu_s"])
 
 
 # --------------------------------------------------------------------------- child entries

@@ -1,13 +1,21 @@
-"""Side-by-side calibration benchmark: qtool vs ONNX Runtime's quantizer.
+"""Calibration benchmark: qtool vs the inference floor and vs ONNX Runtime's quantizer.
 
-One run measures, on the same exported ONNX models and the same calibration inputs, the wall time
-and peak RSS of `qtool quantize RECIPE` and of `onnxruntime.quantization.quantize_static` (each in
-its own process), then the batch-1 CPU latency of the FP32 model and of both quantized models.
-The point is the ratios: ORT's histogram calibrators keep every activation of every batch in
-memory until the end, qtool's observers stream, so ORT's memory grows with the sample count and
-qtool's should not. See benchmarks/README.md for how to run it and read it.
+One run measures, on the same exported ONNX models and the same calibration inputs, each in its
+own process, the wall time, CPU seconds and peak RSS of
+- `qtool quantize RECIPE` (calibrate + quantize);
+- the inference floor: plain FP32 ONNX Runtime over the same batches, on qtool's prepared model
+  with the tensors qtool observes exposed as outputs, and without them (benchmarks/_floor.py);
+- `onnxruntime.quantization.quantize_static` (unless --skip-ort);
+then the batch-1 CPU latency of the FP32 model and of both quantized models, and the statistics
+kernels' throughput next to the bandwidth floor (np.sum over the same array).
 
-    python -m benchmarks.calibration --models cnn --samples 8,16 --small
+The ratios are the point: qtool's CPU seconds over the floor's (what calibration adds to the
+inference it cannot avoid), qtool's peak memory over that of an ORT session exposing the same
+outputs, and ORT's quantizer over qtool (its histogram calibrators keep every activation of every
+batch, so its memory grows with the sample count; qtool's observers stream). See
+benchmarks/README.md for how to run it and read it.
+
+    python -m benchmarks.calibration --models cnn --samples 8,16 --small --skip-ort
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks._measure import Measured, run_measured
+from benchmarks.kernels import bench_streaming
 from benchmarks.models import BUILDERS, BenchModel, calibration_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,14 +140,77 @@ def _expect_file(m: Measured, path: Path) -> Measured:
     return m
 
 
-def run_qtool(model: BenchModel, data: Path, method: str, run_dir: Path, timeout: float) -> dict:
+def run_qtool(
+    model: BenchModel, data: Path, method: str, run_dir: Path, timeout: float, command: str
+) -> dict:
+    """`qtool quantize` (calibrate + quantize), or `qtool calibrate` alone (prepare, calibration,
+    stats file), which isolates what this benchmark's floor compares against."""
     # A clean output folder: a stats file left by an earlier run must not be reused.
     shutil.rmtree(run_dir / "qtool", ignore_errors=True)
     recipe = write_recipe(model, data, method, run_dir)
-    cmd = [*qtool_command(), "quantize", str(recipe)]
-    m = run_measured(cmd, run_dir / "qtool.log", timeout, cwd=REPO)
-    out = run_dir / "qtool" / "model.int8.onnx"
+    cmd = [*qtool_command(), command, str(recipe)]
+    m = run_measured(cmd, run_dir / f"qtool_{command}.log", timeout, cwd=REPO)
+    out = run_dir / "qtool" / ("model.int8.onnx" if command == "quantize" else "stats.npz")
     return {**_expect_file(m, out).to_dict(), "cmd": cmd, "model_out": str(out)}
+
+
+def write_floor_models(model: BenchModel, data: Path, work: Path) -> dict:
+    """qtool's prepared float model as is and with the tensors qtool observes as extra outputs:
+    what the floor runs, so both sides run the very same graph."""
+    from qtool.calibration.collect import save_with_extra_outputs
+    from qtool.pipeline import prepare
+    from qtool.recipe import load_recipe
+
+    out = work / model.name / "floor"
+    recipe = write_recipe(model, data, "entropy", out)
+    prepared = prepare(load_recipe(recipe))
+    tensors = prepared.layout.stats_tensors()
+    plain, exposed = out / "plain.onnx", out / "exposed.onnx"
+    plain.write_bytes(prepared.serialized)
+    save_with_extra_outputs(prepared.model, tensors, exposed)
+    return {"plain": str(plain), "exposed": str(exposed), "observed_tensors": len(tensors)}
+
+
+def run_floor(models: dict, data: Path, run_dir: Path, timeout: float) -> dict:
+    """Both floor variants over `data`, each in its own measured process."""
+    out = {}
+    for variant in ("exposed", "plain"):
+        result = _fresh(run_dir / f"floor_{variant}.json")
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks._floor",
+            "--model",
+            models[variant],
+            "--data",
+            str(data),
+            "--batch-size",
+            str(BATCH_SIZE),
+            "--json",
+            str(result),
+        ]
+        m = _expect_file(
+            run_measured(cmd, run_dir / f"floor_{variant}.log", timeout, cwd=REPO), result
+        )
+        out[variant] = {**m.to_dict(), **(json.loads(result.read_text()) if m.ok else {})}
+    return out
+
+
+def best_of(runs: list[dict]) -> dict:
+    """The last run's record with the fastest wall and CPU time and the highest peak of all runs
+    (time noise only adds, so the minimum is the estimate; memory is reported conservatively).
+    Any failed run fails the result."""
+    failed = [r for r in runs if r.get("status") != "ok"]
+    if failed or not runs:
+        return failed[0] if failed else {"status": "not run"}
+    best = dict(runs[-1])
+    best.update(
+        wall_s=min(r["wall_s"] for r in runs),
+        cpu_s=min(r["cpu_s"] for r in runs),
+        peak_mb=max(r["peak_mb"] for r in runs),
+        runs=[{k: r[k] for k in ("wall_s", "cpu_s", "peak_mb")} for r in runs],
+    )
+    return best
 
 
 def run_ort_preprocess(model: BenchModel, work: Path, timeout: float) -> tuple[Measured, Path]:
@@ -188,11 +260,20 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num and den else None
 
 
-def add_ratios(row: dict) -> None:
+def add_ratios(row: dict, floor: dict) -> None:
     q, o = row["qtool"], row["ort"]
     both = q.get("status") == "ok" and o.get("status") == "ok"
     row["time_ratio_ort_over_qtool"] = _ratio(o["wall_s"], q["wall_s"]) if both else None
     row["memory_ratio_ort_over_qtool"] = _ratio(o["peak_mb"], q["peak_mb"]) if both else None
+    for variant in ("exposed", "plain"):
+        f = floor.get(variant, {})
+        ok = q.get("status") == "ok" and f.get("status") == "ok"
+        row[f"cpu_ratio_qtool_over_floor_{variant}"] = (
+            _ratio(q["cpu_s"], f["cpu_s"]) if ok else None
+        )
+        row[f"memory_ratio_qtool_over_floor_{variant}"] = (
+            _ratio(q["peak_mb"], f["peak_mb"]) if ok else None
+        )
 
 
 # --------------------------------------------------------------------------- output
@@ -243,6 +324,7 @@ def print_tables(console: Console, report: dict) -> None:
             _rcell(r["memory_ratio_ort_over_qtool"]),
         )
     console.print(t)
+    print_floor_table(console, report)
     for name, info in report["models"].items():
         pre = info.get("ort_preprocess")
         if pre and pre["status"] == "ok":
@@ -295,6 +377,108 @@ def print_tables(console: Console, report: dict) -> None:
     console.print(lt)
 
 
+def floor_ratios(floor: dict) -> dict:
+    """qtool calibrate over the floor with outputs exposed (and over the plain floor)."""
+    c = floor.get("qtool_calibrate", {})
+    out = {}
+    for variant in ("exposed", "plain"):
+        f = floor.get(variant, {})
+        ok = c.get("status") == "ok" and f.get("status") == "ok"
+        out[f"cpu_{variant}"] = _ratio(c["cpu_s"], f["cpu_s"]) if ok else None
+        out[f"memory_{variant}"] = _ratio(c["peak_mb"], f["peak_mb"]) if ok else None
+    return out
+
+
+def print_floor_table(console: Console, report: dict) -> None:
+    ft = Table(
+        title="Inference floor (FP32 ORT over the same batches, observed tensors exposed / plain) "
+        "vs qtool calibrate (prepare + calibration + stats file); CPU s = user+sys of the process"
+    )
+    for col in (
+        "model",
+        "samples",
+        "floor CPU s",
+        "plain CPU s",
+        "calibrate CPU s",
+        "calibrate/floor CPU",
+        "floor peak MB",
+        "plain peak MB",
+        "calibrate peak MB",
+        "calibrate/floor mem",
+    ):
+        ft.add_column(col, justify="left" if col == "model" else "right")
+    for key, floor in report["floor"].items():
+        name, n = key.split("/")
+        ex, pl, cal = (floor.get(v, {}) for v in ("exposed", "plain", "qtool_calibrate"))
+        ratios = floor.get("ratios", {})
+        ft.add_row(
+            name,
+            n,
+            _cell(ex, "cpu_s", "{:.1f}"),
+            _cell(pl, "cpu_s", "{:.1f}"),
+            _cell(cal, "cpu_s", "{:.1f}"),
+            _rcell(ratios.get("cpu_exposed")),
+            _cell(ex, "peak_mb", "{:.0f}"),
+            _cell(pl, "peak_mb", "{:.0f}"),
+            _cell(cal, "peak_mb", "{:.0f}"),
+            _rcell(ratios.get("memory_exposed")),
+        )
+    console.print(ft)
+    qt = Table(title="qtool quantize (calibrate + quantize) vs the inference floor, same batches")
+    for col in (
+        "model",
+        "method",
+        "samples",
+        "qtool wall s",
+        "qtool CPU s",
+        "qtool/floor CPU",
+        "qtool/plain CPU",
+        "qtool peak MB",
+        "qtool/floor mem",
+    ):
+        qt.add_column(col, justify="left" if col in ("model", "method") else "right")
+    for r in report["runs"]:
+        qt.add_row(
+            r["model"],
+            r["method"],
+            str(r["samples"]),
+            _cell(r["qtool"], "wall_s", "{:.1f}"),
+            _cell(r["qtool"], "cpu_s", "{:.1f}"),
+            _rcell(r.get("cpu_ratio_qtool_over_floor_exposed")),
+            _rcell(r.get("cpu_ratio_qtool_over_floor_plain")),
+            _cell(r["qtool"], "peak_mb", "{:.0f}"),
+            _rcell(r.get("memory_ratio_qtool_over_floor_exposed")),
+        )
+    console.print(qt)
+    kern = report.get("kernels")
+    if kern:
+        kt = Table(title=f"Statistics kernels, {kern['elements']:,} float32 ({kern['data']})")
+        for col in ("kernel", "isa", "threads", "wall G/s", "G/CPU-s", "x np.sum"):
+            kt.add_column(col, justify="left" if col in ("kernel", "isa") else "right")
+        for row in kern["rows"]:
+            per_cpu = row["g_per_cpu_s"]
+            kt.add_row(
+                row["kernel"],
+                row["isa"],
+                str(row["threads"]),
+                f"{row['g_per_s']:.2f}",
+                "-" if per_cpu is None else f"{per_cpu:.2f}",
+                f"{row['vs_floor']:.2f}x",
+            )
+        console.print(kt)
+
+
+def run_kernels(elements: int, repeats: int) -> dict:
+    """The observer's kernels on N(0, 1) float32 next to np.sum over the same array, with the
+    best instruction set, 1 thread and all."""
+    import qtool.kernels as k
+
+    x = np.random.default_rng(0).standard_normal(elements, dtype=np.float32)
+    threads = sorted({1, k.cpu_threads()})
+    rows = bench_streaming(x, repeats, threads, isas=[k.cpu_isa()])
+    return {"elements": elements, "data": "N(0, 1)", "isa": k.cpu_isa(), "rows": rows}
+
+
 def save_json(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -330,6 +514,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-ort", action="store_true", help="run only qtool")
     p.add_argument("--skip-qtool", action="store_true", help="run only ONNX Runtime")
     p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--skip-floor", action="store_true", help="no inference-floor runs")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="interleaved repeats of qtool and the floor; the best time of each is reported",
+    )
+    p.add_argument(
+        "--kernel-elements",
+        type=int,
+        default=100_000_000,
+        help="array size for the kernel throughput rows (0: skip them)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     p.add_argument("--latency-runs", type=int, default=50)
     p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads for latency")
@@ -358,12 +555,14 @@ def main(argv: list[str] | None = None) -> int:
             "data_seed": DATA_SEED,
             "timeout_s": args.timeout,
             "latency": {"threads": args.threads, "runs": args.latency_runs, "batch": 1},
+            "runs": args.runs,
             "qtool_cmd": None if args.skip_qtool else qtool_command(),
             "ort": "quant_pre_process + quantize_static(QDQ, QUInt8 activations, QInt8 "
             "per-channel weights, same op types)",
         },
         "models": {},
         "runs": [],
+        "floor": {},
         "latency": [],
     }
     for name in args.models:
@@ -374,22 +573,64 @@ def main(argv: list[str] | None = None) -> int:
             "onnx": str(model.onnx_path),
             "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in model.inputs.items()},
         }
+        floor_models = None
+        if not args.skip_floor:
+            with console.status(f"{name}: floor models"):
+                floor_models = write_floor_models(model, data[samples[0]], work / "runs")
+            report["models"][name]["floor"] = floor_models
         pre, pre_model = (None, None)
         if not args.skip_ort:
             with console.status(f"{name}: ORT quant_pre_process"):
                 pre, pre_model = run_ort_preprocess(model, work / "runs", args.timeout)
             report["models"][name]["ort_preprocess"] = pre.to_dict()
         for n in samples:
+            # Interleaved repeats: floor, plain floor, qtool per method, again; noise from other
+            # processes then hits every side alike, and the best of each is reported.
+            floors: list[dict] = []
+            qtools: dict[str, list[dict]] = {m: [] for m in args.methods}
+            calibrates: list[dict] = []
+            for rep in range(args.runs):
+                if floor_models is not None:
+                    with console.status(f"{name} {n}: inference floor ({rep + 1}/{args.runs})"):
+                        floor_dir = work / "runs" / name / f"floor_{n}"
+                        floors.append(run_floor(floor_models, data[n], floor_dir, args.timeout))
+                if args.skip_qtool:
+                    continue
+                for method in args.methods:
+                    run_dir = work / "runs" / name / f"{method}_{n}"
+                    with console.status(f"{name} {method} {n}: qtool ({rep + 1}/{args.runs})"):
+                        qtools[method].append(
+                            run_qtool(model, data[n], method, run_dir, args.timeout, "quantize")
+                        )
+                if floor_models is not None:  # the stats do not depend on the method
+                    calib_dir = work / "runs" / name / f"calibrate_{n}"
+                    with console.status(f"{name} {n}: qtool calibrate ({rep + 1}/{args.runs})"):
+                        calibrates.append(
+                            run_qtool(
+                                model,
+                                data[n],
+                                args.methods[0],
+                                calib_dir,
+                                args.timeout,
+                                "calibrate",
+                            )
+                        )
+            floor = (
+                {v: best_of([f[v] for f in floors]) for v in ("exposed", "plain")} if floors else {}
+            )
+            if calibrates:
+                floor["qtool_calibrate"] = best_of(calibrates)
+                floor["ratios"] = floor_ratios(floor)
+            report["floor"][f"{name}/{n}"] = floor
             for method in args.methods:
                 run_dir = work / "runs" / name / f"{method}_{n}"
                 row: dict = {"model": name, "method": method, "samples": n, "qtool": {}, "ort": {}}
-                if not args.skip_qtool:
-                    with console.status(f"{name} {method} {n}: qtool"):
-                        row["qtool"] = run_qtool(model, data[n], method, run_dir, args.timeout)
+                if qtools[method]:
+                    row["qtool"] = best_of(qtools[method])
                 if not args.skip_ort:
                     with console.status(f"{name} {method} {n}: ORT"):
                         row["ort"] = run_ort(pre, pre_model, data[n], method, run_dir, args.timeout)
-                add_ratios(row)
+                add_ratios(row, floor)
                 report["runs"].append(row)
                 save_json(report, args.json)
                 console.log(
@@ -399,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_latency:
             report["latency"] += latency_rows(model, report["runs"], data, work, args)
             save_json(report, args.json)
+    if args.kernel_elements > 0:
+        with console.status("kernels"):
+            report["kernels"] = run_kernels(args.kernel_elements, repeats=3)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save_json(report, args.json)
     print_tables(console, report)

@@ -1,73 +1,175 @@
-"""CPU vs CUDA time of the calibration kernels on one large activation-sized tensor.
+"""Throughput of the calibration kernels next to the memory-bandwidth floor, per instruction set.
 
-Times what a calibration step does per tensor: min/max, a histogram of the values, and the KL /
-MSE threshold searches on a 2048-bin |x| histogram. CUDA times include the host-to-device copies
-the numpy API makes. Prints a table and one JSON line (machine-readable for CI logs).
+What a calibration step does per tensor: the observer's fused pass (`observe`: min/max and the
+histogram at the current range in one read), plain min/max, the exact clamping histogram, and the
+KL / MSE threshold searches on a 2048-bin |x| histogram. The floor is numpy's `np.sum` over the
+same array (one read, no work to speak of). Each kernel runs on every instruction set this CPU has
+(forced with `set_cpu_isa`), on 1 thread and on all threads.
 
-    python benchmarks/kernels.py [--elements 67108864] [--repeats 5]
+Throughput is G elements per second of wall time and per CPU-second (`time.process_time`, all
+threads of this process): on a shared machine the second is the per-core figure that other
+processes disturb least. CUDA rows (copies included) appear when a GPU is usable. Prints a table
+and writes JSON (default benchmarks/results/kernels.json).
+
+    python -m benchmarks.kernels [--elements 100000000] [--repeats 5] [--dists normal,relu]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 import qtool.kernels as k
 
+RESULTS = Path(__file__).resolve().parent / "results"
+NBINS = 4096  # the observer's default: 2 x calibration.bins (2048)
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: library load, CUDA context
-    times = []
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Best wall time and best CPU time (all threads) over `repeats` runs, after a warm-up."""
+    fn()
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return {"wall_s": min(walls), "cpu_s": min(cpus)}
+
+
+def _data(name: str, n: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    if name == "normal":  # LayerNorm outputs, most pre-activation tensors
+        return rng.standard_normal(n, dtype=np.float32)
+    if name == "relu":  # CNN activations: half exact zeros
+        return np.maximum(rng.standard_normal(n, dtype=np.float32), 0)
+    if name == "t4":  # heavy tails: the range grows now and then
+        return rng.standard_t(4, size=n).astype(np.float32)
+    raise SystemExit(f"unknown distribution {name!r}")
+
+
+def _power_of_two_above(x: np.ndarray) -> float:
+    lo, hi, _ = k.tensor_minmax(x)
+    return float(2.0 ** (np.floor(np.log2(max(abs(lo), abs(hi)))) + 1))
+
+
+def bench_streaming(
+    x: np.ndarray, repeats: int, thread_counts: list[int], isas: list[str] | None = None
+) -> list[dict]:
+    """Rows: one per (instruction set, threads, kernel), and the np.sum floor first."""
+    r = _power_of_two_above(x)
+    counts = np.zeros(NBINS, np.int64)
+    cases: dict[str, Callable[[], object]] = {
+        "observe (fused)": lambda: k.observe(x, r, counts),
+        "tensor_minmax": lambda: k.tensor_minmax(x),
+        "histogram_accumulate": lambda: k.histogram_accumulate(x, r, counts),
+    }
+    rows = []
+    floor = _measure(lambda: np.sum(x), repeats)  # single-threaded in numpy
+    rows.append({"kernel": "np.sum (floor)", "isa": "numpy", "threads": 1, **floor})
+    try:
+        for isa in isas or k.supported_cpu_isas():
+            k.set_cpu_isa(isa)
+            for threads in thread_counts:
+                k.set_cpu_threads(threads)
+                for name, fn in cases.items():
+                    m = _measure(fn, repeats if isa != "scalar" else 1)
+                    rows.append({"kernel": name, "isa": isa, "threads": threads, **m})
+    finally:
+        k.set_cpu_isa(None)
+        k.set_cpu_threads(None)
+    for row in rows:
+        row["g_per_s"] = x.size / row["wall_s"] / 1e9
+        row["g_per_cpu_s"] = x.size / row["cpu_s"] / 1e9 if row["cpu_s"] > 0 else None
+        row["vs_floor"] = floor["wall_s"] / row["wall_s"]
+    return rows
+
+
+def bench_searches(x: np.ndarray, repeats: int) -> dict[str, dict[str, float]]:
+    """KL and MSE searches (and CPU vs CUDA for everything when a GPU is usable), in ms."""
+    r = _power_of_two_above(x)
+    sym = np.zeros(NBINS, np.int64)
+    k.histogram_accumulate(x, r, sym)
+    hist = sym[NBINS // 2 :] + sym[: NBINS // 2][::-1]  # fold [-R, R] into |x| over [0, R]
+    devices = ["cpu"] + (["cuda"] if k.default_device() == "cuda" else [])
+    cases: dict[str, Callable[[str], object]] = {
+        "kl_2048": lambda d: k.kl_threshold_bins(hist, 128, device=d),
+        "mse_2048": lambda d: k.mse_threshold_bins(hist, 127, device=d),
+    }
+    if "cuda" in devices:
+        cases["observe"] = lambda d: k.observe(x, r, np.zeros(NBINS, np.int64), device=d)
+        cases["tensor_minmax"] = lambda d: k.tensor_minmax(x, device=d)
+    return {
+        name: {d: 1e3 * _measure(lambda d=d, fn=fn: fn(d), repeats)["wall_s"] for d in devices}
+        for name, fn in cases.items()
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--elements", type=int, default=1 << 26)
+    parser.add_argument("--elements", type=int, default=100_000_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dists", default="normal,relu,t4")
+    parser.add_argument("--threads", default="1,all", help="thread counts; 'all' = the default")
+    parser.add_argument("--json", type=Path, default=RESULTS / "kernels.json")
     args = parser.parse_args()
 
-    x = np.random.default_rng(0).standard_t(4, size=args.elements).astype(np.float32)
-    lo, hi, _ = k.tensor_minmax(x)
-    half = max(abs(lo), abs(hi))
-    sym = np.zeros(4096, np.int64)
-    k.histogram_accumulate(x, half, sym)
-    hist = sym[2048:] + sym[:2048][::-1]  # fold [-R, R] into |x| over [0, R]
-
-    devices = ["cpu"] + (["cuda"] if k.default_device() == "cuda" else [])
-    cases: dict[str, Callable[[str], object]] = {
-        "tensor_minmax": lambda d: k.tensor_minmax(x, device=d),
-        "histogram_4096": lambda d: k.histogram_accumulate(x, half, np.zeros(4096, np.int64), d),
-        "kl_2048": lambda d: k.kl_threshold_bins(hist, 128, device=d),
-        "mse_2048": lambda d: k.mse_threshold_bins(hist, 127, device=d),
-    }
-    results: dict[str, dict[str, float]] = {}
-    for name, fn in cases.items():
-        results[name] = {d: _median_ms(lambda d=d, fn=fn: fn(d), args.repeats) for d in devices}
-    results["histogram+kl"] = {
-        d: results["histogram_4096"][d] + results["kl_2048"][d] for d in devices
-    }
-
-    print(f"{args.elements:,} float32 elements, median of {args.repeats} runs (ms)")
-    print(
-        f"{'kernel':<16}"
-        + "".join(f"{d:>12}" for d in devices)
-        + (f"{'speedup':>10}" if "cuda" in devices else "")
+    default_threads = k.cpu_threads()
+    thread_counts = sorted(
+        {default_threads if t == "all" else int(t) for t in args.threads.split(",")}
     )
-    for name, row in results.items():
-        line = f"{name:<16}" + "".join(f"{row[d]:>12.2f}" for d in devices)
-        if "cuda" in devices:
-            line += f"{row['cpu'] / row['cuda']:>9.1f}x"
-        print(line)
-    print(json.dumps({"elements": args.elements, "backends": k.backends(), "ms": results}))
+    report: dict = {
+        "machine": {
+            "cpu": _cpu_name(),
+            "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "supported_isas": k.supported_cpu_isas(),
+            "default_threads": default_threads,
+        },
+        "elements": args.elements,
+        "nbins": NBINS,
+        "repeats": args.repeats,
+        "backends": k.backends(),
+        "streaming": {},
+    }
+    print(f"{_cpu_name()}; ISAs {k.supported_cpu_isas()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{args.elements:,} float32 elements, {NBINS} bins, best of {args.repeats}")
+    header = f"{'dist':<7}{'kernel':<22}{'isa':<8}{'thr':>4}{'wall G/s':>10}{'G/cpu-s':>9}"
+    print(header + f"{'x floor':>9}")
+    for dist in args.dists.split(","):
+        x = _data(dist, args.elements)
+        rows = bench_streaming(x, args.repeats, thread_counts)
+        report["streaming"][dist] = rows
+        for row in rows:
+            per_cpu = "-" if row["g_per_cpu_s"] is None else f"{row['g_per_cpu_s']:.2f}"
+            print(
+                f"{dist:<7}{row['kernel']:<22}{row['isa']:<8}{row['threads']:>4}"
+                f"{row['g_per_s']:>10.2f}{per_cpu:>9}{row['vs_floor']:>8.2f}x"
+            )
+        if dist == args.dists.split(",")[0]:
+            report["searches_ms"] = bench_searches(x, args.repeats)
+        del x
+    print("searches (ms):", json.dumps(report["searches_ms"]))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"JSON: {args.json}")
 
 
 if __name__ == "__main__":

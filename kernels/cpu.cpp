@@ -1,40 +1,272 @@
-// CPU backend: plain loops over the shared math in qt_math.h, split over std::thread for large
-// inputs (calibration tensors reach hundreds of millions of elements; the searches are
-// O(nbins^2)). Results do not depend on the thread count: min/max and integer counts are
-// order-independent and each candidate's divergence is summed by one thread in bin order.
+// CPU backend: the shared math of qt_math.h in chunk kernels vectorised for AVX2 and AVX-512
+// (cpu_simd.h, chosen at run time from CPUID, or forced with qt_cpu_set_isa), run on a persistent
+// thread pool (cpu_pool.h) for large inputs. Results do not depend on the instruction set or the
+// thread count: min/max use a total order and integer counts are order-independent; each search
+// candidate is summed by one thread in bin order.
+//
+// The observer's hot path is qt_cpu_observe: one pass that computes min/max and, speculatively,
+// the histogram at the current range, keeping the counts only when every value was finite and
+// inside it (otherwise the caller grows the range and calls again).
 #include <algorithm>
-#include <thread>
+#include <atomic>
+#include <functional>
+#include <new>
 #include <vector>
 
+#include "cpu_pool.h"
+#include "cpu_simd.h"
 #include "qt_math.h"
 #include "qtool_kernels.h"
 
 namespace {
 
-constexpr int64_t kMinPerThread = int64_t(1) << 18;
+using qt::BinParams;
+using qt::LocalHist;
 
-int thread_count(int64_t work) {
-  unsigned hw = std::thread::hardware_concurrency();
-  int64_t n = hw == 0 ? 1 : static_cast<int64_t>(std::min(hw, 16u));
-  n = std::min(n, std::max<int64_t>(1, work / kMinPerThread));
-  return static_cast<int>(n);
+// Elements per task: large enough that the task counter and the per-task checks are noise, small
+// enough that two threads share a tensor of a few MB.
+constexpr int64_t kChunk = int64_t(1) << 18;
+// Candidates (KL, MSE) per thread at least, in units of their inner loop length.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 18;
+
+// ---- instruction set dispatch ----
+
+struct Kernels {
+  int isa;
+  QtMinMax (*minmax)(const float*, int64_t);
+  bool (*observe_fast)(const float*, int64_t, const BinParams&, LocalHist&, QtMinMax*);
+  void (*observe_exact)(const float*, int64_t, const BinParams&, LocalHist&, QtMinMax*);
+};
+
+const Kernels kScalar = {QT_ISA_SCALAR, qt::scalar::minmax, qt::scalar::observe_fast,
+                         qt::scalar::observe_exact};
+#if defined(__x86_64__)
+const Kernels kAvx2 = {QT_ISA_AVX2, qt::avx2::minmax, qt::avx2::observe_fast,
+                       qt::avx2::observe_exact};
+const Kernels kAvx512 = {QT_ISA_AVX512, qt::avx512::minmax, qt::avx512::observe_fast,
+                         qt::avx512::observe_exact};
+#endif
+
+bool isa_supported(int isa) {
+  if (isa == QT_ISA_SCALAR) return true;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (isa == QT_ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == QT_ISA_AVX512) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }
+#endif
+  return false;
 }
 
-// Runs fn(begin, end, worker) over [0, n) split into `workers` contiguous chunks.
+int best_isa() {
+  if (isa_supported(QT_ISA_AVX512)) return QT_ISA_AVX512;
+  if (isa_supported(QT_ISA_AVX2)) return QT_ISA_AVX2;
+  return QT_ISA_SCALAR;
+}
+
+std::atomic<int>& current_isa() {
+  static std::atomic<int> isa{best_isa()};
+  return isa;
+}
+
+const Kernels& kernels() {
+  switch (current_isa().load(std::memory_order_relaxed)) {
+#if defined(__x86_64__)
+    case QT_ISA_AVX512: return kAvx512;
+    case QT_ISA_AVX2: return kAvx2;
+#endif
+    default: return kScalar;
+  }
+}
+
+// ---- threading ----
+
+int workers_for(int64_t tasks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(qt::thread_budget(), tasks)));
+}
+
+// Runs fn(task) for task in [0, tasks) on up to `workers` threads sharing a task counter;
+// worker(w) is called once per participating worker first. Returns false when a worker threw
+// (std::bad_alloc): the caller reports QT_ERR_RESOURCE.
+bool parallel_tasks(int64_t tasks, int workers, const std::function<void(int64_t, int)>& fn) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::function<void(int)> body = [&](int w) {
+    try {
+      for (;;) {
+        const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+        if (t >= tasks || failed.load(std::memory_order_relaxed)) return;
+        fn(t, w);
+      }
+    } catch (...) {
+      failed.store(true);
+    }
+  };
+  qt::pool().run(workers, body);
+  return !failed.load();
+}
+
+// ---- histogram geometry ----
+
+BinParams make_params(float half_range, int64_t nbins) {
+  BinParams p{};
+  p.half_range = half_range;
+  p.nbins = nbins;
+  p.scale = qt_hist_scale(nbins, half_range);
+  p.zero_bin = qt_hist_bin(0.0f, half_range, p.scale, nbins);
+  p.vector_ok = nbins <= (int64_t(1) << 30);
+  p.half = static_cast<int32_t>(p.vector_ok ? nbins / 2 : 0);
+  p.last = static_cast<int32_t>(p.vector_ok ? nbins - 1 : 0);
+  int e = 0;
+  const bool pow2_range = frexpf(half_range, &e) == 0.5f;  // R = 2^(e-1)
+  int b = 0;
+  while (b < 62 && (int64_t(1) << b) < nbins) ++b;
+  const int k = e - 1, c = b - 1 - k;
+  if (pow2_range && (int64_t(1) << b) == nbins && b >= 2 && b <= 28 && c >= -126 && c <= 127) {
+    p.float_path = true;
+    p.f_scale = ldexpf(1.0f, c);
+    p.f_bias = ldexpf(1.0f, b - 55);
+    p.f_half = static_cast<float>(nbins / 2);
+  }
+  return p;
+}
+
+// Per-thread uint32 counts, reused across calls (pool threads are persistent). Zeroed per call.
+struct ThreadHist {
+  std::vector<uint32_t> slots;
+  std::vector<int64_t> wide;  // flushed uint32 counts, only for > 2^31 elements per thread
+  LocalHist view{};
+  int64_t since_flush = 0;
+  bool flushed = false;
+};
+
+ThreadHist& thread_hist() {
+  static thread_local ThreadHist h;
+  return h;
+}
+
+void attach(ThreadHist& h, const BinParams& p, int copies) {
+  const int64_t stride = (p.nbins + 1 + qt::kMaxLanes + 15) / 16 * 16;
+  const size_t size = static_cast<size_t>(stride * copies);
+  if (h.slots.size() < size) h.slots.resize(size);
+  std::fill(h.slots.begin(), h.slots.begin() + size, 0u);
+  h.view = LocalHist{h.slots.data(), stride, copies};
+  h.since_flush = 0;
+  h.flushed = false;
+}
+
+// Adds the uint32 slots (bins, and the zero slots into the zero's bin) to `out`, then zeroes them.
+void drain(ThreadHist& h, const BinParams& p, int64_t* out) {
+  const LocalHist& v = h.view;
+  for (int c = 0; c < v.copies; ++c) {
+    uint32_t* row = v.slots + c * v.stride;
+    for (int64_t j = 0; j < p.nbins; ++j) out[j] += row[j];
+    for (int l = 0; l < qt::kMaxLanes; ++l) out[p.zero_bin] += row[p.nbins + 1 + l];
+    std::fill(row, row + v.stride, 0u);
+  }
+}
+
+// Called after each task: keeps every uint32 slot below 2^32.
+void account(ThreadHist& h, const BinParams& p, int64_t elements) {
+  h.since_flush += elements;
+  if (h.since_flush < (int64_t(1) << 31)) return;
+  if (!h.flushed) h.wide.assign(static_cast<size_t>(p.nbins), 0);
+  drain(h, p, h.wide.data());
+  h.flushed = true;
+  h.since_flush = 0;
+}
+
+void add_into(ThreadHist& h, const BinParams& p, int64_t* counts) {
+  drain(h, p, counts);
+  if (h.flushed) {
+    for (int64_t j = 0; j < p.nbins; ++j) counts[j] += h.wide[j];
+  }
+}
+
+int copies_for(int64_t n, int64_t nbins) { return (n >= 16 * nbins && nbins <= 65536) ? 4 : 1; }
+
+bool in_range(const QtMinMax& m, float half_range) {
+  return m.nonfinite == 0 && m.mn > -half_range && m.mx < half_range;
+}
+
+struct Worker {
+  ThreadHist* hist = nullptr;
+  QtMinMax mm = qt_minmax_init();
+};
+
+// The shared driver of qt_cpu_observe (speculative = true) and qt_cpu_histogram_accumulate.
+// Returns QT_OK and sets *accepted when the counts were added.
+int run_histogram(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
+                  bool speculative, QtMinMax* total, bool* accepted) {
+  const Kernels& k = kernels();
+  const BinParams p = make_params(half_range, nbins);
+  const int copies = copies_for(n, nbins);
+  const int64_t tasks = (n + kChunk - 1) / kChunk;
+  const int workers = workers_for(tasks);
+  std::vector<Worker> state(workers);
+  std::atomic<bool> abandoned{false};
+  const bool ok = parallel_tasks(tasks, workers, [&](int64_t t, int w) {
+    Worker& me = state[w];
+    if (me.hist == nullptr) {
+      me.hist = &thread_hist();
+      attach(*me.hist, p, copies);
+    }
+    const int64_t b = t * kChunk, len = std::min(n, b + kChunk) - b;
+    QtMinMax m;
+    if (!speculative) {
+      k.observe_exact(x + b, len, p, me.hist->view, &m);
+    } else if (abandoned.load(std::memory_order_relaxed)) {
+      m = k.minmax(x + b, len);  // the counts are dropped anyway: min/max only
+    } else {
+      bool exact = true;
+      if (p.float_path) {
+        exact = k.observe_fast(x + b, len, p, me.hist->view, &m);
+      } else {
+        k.observe_exact(x + b, len, p, me.hist->view, &m);
+      }
+      if (!exact) m = k.minmax(x + b, len);
+      if (!exact || !in_range(m, half_range)) abandoned.store(true, std::memory_order_relaxed);
+    }
+    account(*me.hist, p, len);
+    qt_minmax_merge(me.mm, m);
+  });
+  if (!ok) return QT_ERR_RESOURCE;
+  QtMinMax all = qt_minmax_init();
+  for (const Worker& w : state) qt_minmax_merge(all, w.mm);
+  *total = all;
+  *accepted = !speculative || (!abandoned.load() && in_range(all, half_range));
+  if (*accepted) {
+    for (Worker& w : state) {
+      if (w.hist != nullptr) add_into(*w.hist, p, counts);
+    }
+  }
+  return QT_OK;
+}
+
+QtMinMax parallel_minmax(const float* x, int64_t n, bool* ok) {
+  const Kernels& k = kernels();
+  const int64_t tasks = (n + kChunk - 1) / kChunk;
+  const int workers = workers_for(tasks);
+  std::vector<QtMinMax> parts(workers, qt_minmax_init());
+  *ok = parallel_tasks(tasks, workers, [&](int64_t t, int w) {
+    const int64_t b = t * kChunk;
+    qt_minmax_merge(parts[w], k.minmax(x + b, std::min(n, b + kChunk) - b));
+  });
+  QtMinMax total = qt_minmax_init();
+  for (const auto& part : parts) qt_minmax_merge(total, part);
+  return total;
+}
+
+// Work split for the searches: `items` independent items of `cost` inner steps each.
 template <typename Fn>
-void parallel_chunks(int64_t n, int workers, Fn fn) {
-  if (workers <= 1) {
-    fn(int64_t(0), n, 0);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t chunk = (n + workers - 1) / workers;
-  for (int w = 0; w < workers; ++w) {
-    const int64_t b = std::min(n, w * chunk);
-    const int64_t e = std::min(n, b + chunk);
-    pool.emplace_back([=] { fn(b, e, w); });
-  }
-  for (auto& t : pool) t.join();
+bool parallel_items(int64_t items, int64_t cost, Fn fn) {
+  const int64_t per_task = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(cost, 1));
+  const int64_t tasks = (items + per_task - 1) / per_task;
+  return parallel_tasks(tasks, workers_for(tasks), [&](int64_t t, int) {
+    const int64_t b = t * per_task, e = std::min(items, b + per_task);
+    for (int64_t i = b; i < e; ++i) fn(i);
+  });
 }
 
 // Prefix sums of a histogram (see qt_math.h). Returns QT_ERR_NO_COUNTS for negative or all-zero
@@ -53,43 +285,6 @@ int build_prefix(const int64_t* hist, int64_t nbins, std::vector<int64_t>& prefi
   return prefix[nbins] > 0 ? QT_OK : QT_ERR_NO_COUNTS;
 }
 
-// Min/max of x[0:n] in kLanes independent accumulators: the fixed-width inner loop is what
-// g++ turns into SIMD (a single conditional reduction chain is not vectorised without
-// -ffast-math, which would break NaN handling).
-QtMinMax minmax_range(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float mn[kLanes], mx[kLanes];
-  int32_t nf[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    mn[l] = INFINITY;
-    mx[l] = -INFINITY;
-    nf[l] = 0;
-  }
-  QtMinMax acc = qt_minmax_init();
-  int64_t k = 0;
-  while (k + kLanes <= n) {
-    // flush the int32 lane counters before they could overflow
-    const int64_t stop = std::min(n - (n - k) % kLanes, k + int64_t(kLanes) * (1 << 30));
-    for (; k < stop; k += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        qt_minmax_step(x[k + l], mn[l], mx[l], nf[l]);
-      }
-    }
-    for (int l = 0; l < kLanes; ++l) {
-      acc.nonfinite += nf[l];
-      nf[l] = 0;
-    }
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    QtMinMax lane = qt_minmax_init();
-    lane.mn = mn[l];
-    lane.mx = mx[l];
-    qt_minmax_merge(acc, lane);
-  }
-  for (; k < n; ++k) qt_minmax_update(acc, x[k]);
-  return acc;
-}
-
 int64_t argmin(const std::vector<double>& v) {
   int64_t best = 0;
   for (int64_t k = 1; k < static_cast<int64_t>(v.size()); ++k) {
@@ -99,6 +294,14 @@ int64_t argmin(const std::vector<double>& v) {
 }
 
 }  // namespace
+
+// Exceptions (std::bad_alloc, thread creation) must not cross the C boundary.
+#define QT_GUARD_BEGIN try {
+#define QT_GUARD_END \
+  }                  \
+  catch (...) {      \
+    return QT_ERR_RESOURCE; \
+  }
 
 extern "C" {
 
@@ -110,83 +313,114 @@ const char* qt_cpu_status_string(int status) {
     case QT_ERR_EMPTY: return "empty input";
     case QT_ERR_BAD_ARG: return "invalid argument";
     case QT_ERR_NO_COUNTS: return "histogram has no counts or a negative count";
+    case QT_ERR_RESOURCE: return "out of memory or threads";
     default: return "unknown status";
   }
 }
 
+int qt_cpu_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+int qt_cpu_set_isa(int isa) {
+  if (isa == QT_ISA_BEST) isa = best_isa();
+  if (!isa_supported(isa)) return QT_ERR_BAD_ARG;
+  current_isa().store(isa);
+  return QT_OK;
+}
+
+int qt_cpu_get_isa(void) { return current_isa().load(); }
+
+int qt_cpu_set_num_threads(int threads) {
+  if (threads > qt::kMaxThreads) return QT_ERR_BAD_ARG;
+  qt::configured_threads().store(threads < 1 ? 0 : threads);
+  return QT_OK;
+}
+
+int qt_cpu_get_num_threads(void) { return qt::thread_budget(); }
+
 int qt_cpu_tensor_minmax(const float* x, int64_t n, float* out_min, float* out_max,
                          int64_t* out_nonfinite) {
   if (n < 1) return QT_ERR_EMPTY;
-  const int workers = thread_count(n);
-  std::vector<QtMinMax> parts(workers, qt_minmax_init());
-  parallel_chunks(n, workers, [&](int64_t b, int64_t e, int w) {
-    parts[w] = minmax_range(x + b, e - b);
-  });
-  QtMinMax total = qt_minmax_init();
-  for (const auto& p : parts) qt_minmax_merge(total, p);
+  QT_GUARD_BEGIN
+  bool ok = true;
+  const QtMinMax total = parallel_minmax(x, n, &ok);
+  if (!ok) return QT_ERR_RESOURCE;
   qt_minmax_finish(total, out_min, out_max);
   *out_nonfinite = total.nonfinite;
   return QT_OK;
+  QT_GUARD_END
 }
 
 int qt_cpu_channel_minmax(const float* x, int64_t channels, int64_t inner, float* out_min,
                           float* out_max) {
   if (channels < 1 || inner < 1) return QT_ERR_EMPTY;
-  const int workers = std::min<int64_t>(thread_count(channels * inner), channels);
-  parallel_chunks(channels, workers, [&](int64_t b, int64_t e, int) {
-    for (int64_t c = b; c < e; ++c) {
-      qt_minmax_finish(minmax_range(x + c * inner, inner), out_min + c, out_max + c);
-    }
+  QT_GUARD_BEGIN
+  const Kernels& k = kernels();
+  const bool ok = parallel_items(channels, inner, [&](int64_t c) {
+    qt_minmax_finish(k.minmax(x + c * inner, inner), out_min + c, out_max + c);
   });
-  return QT_OK;
+  return ok ? QT_OK : QT_ERR_RESOURCE;
+  QT_GUARD_END
 }
 
 int qt_cpu_histogram_accumulate(const float* x, int64_t n, float half_range, int64_t* counts,
                                 int64_t nbins) {
   if (n < 1) return QT_ERR_EMPTY;
   if (nbins < 1 || !qt_isfinite(half_range) || !(half_range > 0.0f)) return QT_ERR_BAD_ARG;
-  const double scale = qt_hist_scale(nbins, half_range);
-  const int workers = thread_count(n);
-  std::vector<std::vector<int64_t>> parts(workers);
-  parallel_chunks(n, workers, [&](int64_t b, int64_t e, int w) {
-    std::vector<int64_t>& local = parts[w];
-    local.assign(nbins, 0);
-    for (int64_t k = b; k < e; ++k) {
-      const int64_t bin = qt_hist_bin(x[k], half_range, scale, nbins);
-      if (bin >= 0) local[bin] += 1;
-    }
-  });
-  for (const auto& local : parts) {
-    for (int64_t j = 0; j < nbins; ++j) counts[j] += local[j];
+  QT_GUARD_BEGIN
+  QtMinMax total;
+  bool accepted = false;
+  return run_histogram(x, n, half_range, counts, nbins, false, &total, &accepted);
+  QT_GUARD_END
+}
+
+int qt_cpu_observe(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
+                   float* out_min, float* out_max, int64_t* out_nonfinite,
+                   int32_t* out_accumulated) {
+  if (n < 1) return QT_ERR_EMPTY;
+  if (nbins < 1 || !qt_isfinite(half_range) || !(half_range >= 0.0f)) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
+  QtMinMax total;
+  bool accepted = false;
+  if (half_range == 0.0f) {
+    bool ok = true;
+    total = parallel_minmax(x, n, &ok);
+    if (!ok) return QT_ERR_RESOURCE;
+  } else {
+    const int status = run_histogram(x, n, half_range, counts, nbins, true, &total, &accepted);
+    if (status != QT_OK) return status;
   }
+  qt_minmax_finish(total, out_min, out_max);
+  *out_nonfinite = total.nonfinite;
+  *out_accumulated = accepted ? 1 : 0;
   return QT_OK;
+  QT_GUARD_END
 }
 
 int qt_cpu_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out) {
   if (nbins < 1 || num_levels < 1 || nbins < num_levels) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
   std::vector<int64_t> prefix, prefix_nz;
   std::vector<double> prefix_hlogh;
   const int status = build_prefix(hist, nbins, prefix, prefix_nz, &prefix_hlogh);
   if (status != QT_OK) return status;
   const int64_t ncand = nbins - num_levels + 1;
-  const int workers = std::min<int64_t>(thread_count(ncand * num_levels), ncand);
-  parallel_chunks(ncand, workers, [&](int64_t b, int64_t e, int) {
-    for (int64_t k = b; k < e; ++k) {
-      const int64_t i = num_levels + k;
-      double kl = qt_kl_last_term(hist, prefix.data(), prefix_nz.data(), nbins, i, num_levels);
-      for (int64_t g = 0; g < num_levels; ++g) {
-        kl += qt_kl_group_term(prefix.data(), prefix_nz.data(), prefix_hlogh.data(), nbins, g, i,
-                               num_levels);
-      }
-      out[k] = kl;
+  const bool ok = parallel_items(ncand, num_levels, [&](int64_t k) {
+    const int64_t i = num_levels + k;
+    double kl = qt_kl_last_term(hist, prefix.data(), prefix_nz.data(), nbins, i, num_levels);
+    for (int64_t g = 0; g < num_levels; ++g) {
+      kl += qt_kl_group_term(prefix.data(), prefix_nz.data(), prefix_hlogh.data(), nbins, g, i,
+                             num_levels);
     }
+    out[k] = kl;
   });
-  return QT_OK;
+  return ok ? QT_OK : QT_ERR_RESOURCE;
+  QT_GUARD_END
 }
 
 int qt_cpu_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,
                         int64_t* out_bins) {
   if (nbins < 1 || num_levels < 1) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
   if (nbins <= num_levels) {
     // Nothing to clip: every bin gets its own level. Still reject unusable histograms.
     std::vector<int64_t> prefix, prefix_nz;
@@ -200,43 +434,47 @@ int qt_cpu_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,
   if (status != QT_OK) return status;
   *out_bins = num_levels + argmin(kl);
   return QT_OK;
+  QT_GUARD_END
 }
 
 int qt_cpu_percentile_bin(const int64_t* hist, int64_t nbins, double percentile,
                           double* out_position) {
   if (nbins < 1 || !(percentile > 0.0 && percentile <= 100.0)) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
   std::vector<int64_t> prefix, prefix_nz;
   const int status = build_prefix(hist, nbins, prefix, prefix_nz);
   if (status != QT_OK) return status;
   *out_position = qt_percentile_position(hist, nbins, percentile);
   return QT_OK;
+  QT_GUARD_END
 }
 
 int qt_cpu_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, double* out) {
   if (nbins < 1 || num_steps < 1) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
   std::vector<int64_t> prefix, prefix_nz;
   const int status = build_prefix(hist, nbins, prefix, prefix_nz);
   if (status != QT_OK) return status;
   const double total = static_cast<double>(prefix[nbins]);
-  const int workers = std::min<int64_t>(thread_count(nbins * nbins), nbins);
-  parallel_chunks(nbins, workers, [&](int64_t b, int64_t e, int) {
-    for (int64_t k = b; k < e; ++k) {
-      double err = 0.0;
-      for (int64_t j = 0; j < nbins; ++j) err += qt_mse_term(hist[j], j, k + 1, num_steps);
-      out[k] = err / total;
-    }
+  const bool ok = parallel_items(nbins, nbins, [&](int64_t k) {
+    double err = 0.0;
+    for (int64_t j = 0; j < nbins; ++j) err += qt_mse_term(hist[j], j, k + 1, num_steps);
+    out[k] = err / total;
   });
-  return QT_OK;
+  return ok ? QT_OK : QT_ERR_RESOURCE;
+  QT_GUARD_END
 }
 
 int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
                          double* out_bins) {
   if (nbins < 1 || num_steps < 1) return QT_ERR_BAD_ARG;
+  QT_GUARD_BEGIN
   std::vector<double> err(nbins);
   const int status = qt_cpu_mse_errors(hist, nbins, num_steps, err.data());
   if (status != QT_OK) return status;
   *out_bins = static_cast<double>(argmin(err) + 1);
   return QT_OK;
+  QT_GUARD_END
 }
 
 }  // extern "C"

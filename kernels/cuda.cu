@@ -79,6 +79,14 @@ __global__ void minmax_final_kernel(const QtMinMax* parts, int nparts, float* ou
   }
 }
 
+// The merged QtMinMax itself (for qt_cuda_observe's decision).
+__global__ void minmax_total_kernel(const QtMinMax* parts, int nparts, QtMinMax* total) {
+  QtMinMax acc = qt_minmax_init();
+  for (int k = threadIdx.x; k < nparts; k += blockDim.x) qt_minmax_merge(acc, parts[k]);
+  QtMinMax r = block_reduce_minmax(acc);
+  if (threadIdx.x == 0) *total = r;
+}
+
 __global__ void channel_minmax_kernel(const float* x, int64_t inner, float* out_min,
                                       float* out_max) {
   const float* row = x + (int64_t)blockIdx.x * inner;
@@ -110,6 +118,52 @@ __global__ void histogram_shared_kernel(const float* x, int64_t n, float half_ra
 // Fallback for histograms too large for shared memory: global 64-bit atomics.
 __global__ void histogram_global_kernel(const float* x, int64_t n, float half_range, double scale,
                                         int64_t nbins, unsigned long long* counts) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+    const int64_t bin = qt_hist_bin(x[k], half_range, scale, nbins);
+    if (bin >= 0) atomicAdd(&counts[bin], 1ull);
+  }
+}
+
+// ---- observe: min/max, then the histogram only when the range held (decided on the device) ----
+
+// accept[0] = 1 when every value was finite and inside (-R, R); writes the caller's outputs.
+__global__ void observe_decide_kernel(const QtMinMax* total, float half_range, float* out_min,
+                                      float* out_max, int64_t* out_nonfinite, int32_t* accept,
+                                      int32_t* out_accumulated) {
+  const QtMinMax r = *total;
+  qt_minmax_finish(r, out_min, out_max);
+  *out_nonfinite = r.nonfinite;
+  const int32_t ok =
+      half_range > 0.0f && r.nonfinite == 0 && r.mn > -half_range && r.mx < half_range ? 1 : 0;
+  *accept = ok;
+  *out_accumulated = ok;
+}
+
+__global__ void observe_histogram_shared_kernel(const float* x, int64_t n, float half_range,
+                                                double scale, int64_t nbins,
+                                                unsigned long long* counts,
+                                                const int32_t* accept) {
+  if (*accept == 0) return;  // uniform across the grid: no __syncthreads is skipped divergently
+  extern __shared__ unsigned int local[];
+  for (int64_t j = threadIdx.x; j < nbins; j += blockDim.x) local[j] = 0;
+  __syncthreads();
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+    const int64_t bin = qt_hist_bin(x[k], half_range, scale, nbins);
+    if (bin >= 0) atomicAdd(&local[bin], 1u);
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < nbins; j += blockDim.x) {
+    if (local[j] != 0) atomicAdd(&counts[j], (unsigned long long)local[j]);
+  }
+}
+
+__global__ void observe_histogram_global_kernel(const float* x, int64_t n, float half_range,
+                                                double scale, int64_t nbins,
+                                                unsigned long long* counts,
+                                                const int32_t* accept) {
+  if (*accept == 0) return;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
     const int64_t bin = qt_hist_bin(x[k], half_range, scale, nbins);
@@ -276,6 +330,7 @@ const char* qt_cuda_status_string(int status) {
     case QT_ERR_EMPTY: return "empty input";
     case QT_ERR_BAD_ARG: return "invalid argument";
     case QT_ERR_NO_COUNTS: return "histogram has no counts or a negative count";
+    case QT_ERR_RESOURCE: return "out of memory or threads";
     default: return "unknown status";
   }
 }
@@ -359,6 +414,46 @@ int qt_cuda_histogram_accumulate(const float* x, int64_t n, float half_range, in
         x, n, half_range, scale, nbins, c);
   } else {
     histogram_global_kernel<<<blocks, kThreads, 0, s>>>(x, n, half_range, scale, nbins, c);
+  }
+  QT_CUDA_TRY(cudaGetLastError());
+  return QT_OK;
+}
+
+int qt_cuda_observe(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
+                    float* out_min, float* out_max, int64_t* out_nonfinite,
+                    int32_t* out_accumulated, void* stream) {
+  if (n < 1) return QT_ERR_EMPTY;
+  if (nbins < 1 || !qt_isfinite(half_range) || !(half_range >= 0.0f)) return QT_ERR_BAD_ARG;
+  cudaStream_t s = as_stream(stream);
+  int sms = 0;
+  int status = sm_count(&sms);
+  if (status != QT_OK) return status;
+  const int64_t want = (n + kThreads - 1) / kThreads;
+  const int mm_blocks = (int)(want < (int64_t)sms * 8 ? want : (int64_t)sms * 8);
+  const int hist_blocks = (int)(want < (int64_t)sms * 4 ? want : (int64_t)sms * 4);
+  // scratch: mm_blocks partial results, the total, the accept flag
+  Scratch scratch(s);
+  QT_CUDA_TRY(scratch.alloc((size_t)(mm_blocks + 1) * sizeof(QtMinMax) + 16));
+  QtMinMax* parts = static_cast<QtMinMax*>(scratch.ptr);
+  QtMinMax* total = parts + mm_blocks;
+  int32_t* accept = reinterpret_cast<int32_t*>(total + 1);
+  minmax_partial_kernel<<<mm_blocks, kThreads, 0, s>>>(x, n, parts);
+  QT_CUDA_TRY(cudaGetLastError());
+  minmax_total_kernel<<<1, kThreads, 0, s>>>(parts, mm_blocks, total);
+  QT_CUDA_TRY(cudaGetLastError());
+  observe_decide_kernel<<<1, 1, 0, s>>>(total, half_range, out_min, out_max, out_nonfinite, accept,
+                                        out_accumulated);
+  QT_CUDA_TRY(cudaGetLastError());
+  if (half_range == 0.0f) return QT_OK;
+  const double scale = qt_hist_scale(nbins, half_range);
+  auto* c = reinterpret_cast<unsigned long long*>(counts);
+  const bool fits = nbins <= kMaxSharedBins && (n / hist_blocks) < 0x7fffffffLL;
+  if (fits) {
+    observe_histogram_shared_kernel<<<hist_blocks, kThreads, (size_t)nbins * sizeof(unsigned int),
+                                      s>>>(x, n, half_range, scale, nbins, c, accept);
+  } else {
+    observe_histogram_global_kernel<<<hist_blocks, kThreads, 0, s>>>(x, n, half_range, scale,
+                                                                     nbins, c, accept);
   }
   QT_CUDA_TRY(cudaGetLastError());
   return QT_OK;

@@ -33,7 +33,7 @@ QT_HD inline bool qt_isfinite(float v) { return (v - v) == 0.0f; }
 // ---------------------------------------------------------------------------------------------
 
 // Accumulator for min/max that skips non-finite values and counts them. No value was finite
-// while mn > mx (the initial +inf / -inf stay). Branch-free updates let the compiler vectorise.
+// while mn > mx (the initial +inf / -inf stay).
 struct QtMinMax {
   float mn;
   float mx;
@@ -48,12 +48,20 @@ QT_HD inline QtMinMax qt_minmax_init() {
   return a;
 }
 
-// Scalar form, so host loops can keep per-lane accumulators in registers (vectorised by g++).
+// Total order for min/max: -0.0 < +0.0. With plain `<` a tensor holding both zeros would report
+// whichever its lanes, threads or batches saw first, so the stats file (JSON "min": -0.0 vs 0.0)
+// would depend on the thread count and the batch size; with this order the answer is unique.
+QT_HD inline bool qt_is_negative(float v) { return copysignf(1.0f, v) < 0.0f; }
+QT_HD inline bool qt_less(float a, float b) {
+  return a < b || (a == b && qt_is_negative(a) && !qt_is_negative(b));
+}
+
+// Scalar form, so host loops can keep per-lane accumulators in registers.
 template <typename Count>
 QT_HD inline void qt_minmax_step(float v, float& mn, float& mx, Count& nonfinite) {
   const bool finite = qt_isfinite(v);
-  mn = (finite && v < mn) ? v : mn;
-  mx = (finite && v > mx) ? v : mx;
+  mn = (finite && qt_less(v, mn)) ? v : mn;
+  mx = (finite && qt_less(mx, v)) ? v : mx;
   nonfinite += finite ? 0 : 1;
 }
 
@@ -62,8 +70,8 @@ QT_HD inline void qt_minmax_update(QtMinMax& a, float v) {
 }
 
 QT_HD inline void qt_minmax_merge(QtMinMax& a, const QtMinMax& b) {
-  a.mn = b.mn < a.mn ? b.mn : a.mn;
-  a.mx = b.mx > a.mx ? b.mx : a.mx;
+  a.mn = qt_less(b.mn, a.mn) ? b.mn : a.mn;
+  a.mx = qt_less(a.mx, b.mx) ? b.mx : a.mx;
   a.nonfinite += b.nonfinite;
 }
 

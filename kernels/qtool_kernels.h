@@ -9,33 +9,59 @@
 // qt_cuda_malloc), `stream` is a cudaStream_t or NULL for the default stream; results are ready
 // after qt_cuda_stream_sync(stream). The CUDA searches cannot report data errors without a
 // synchronisation: callers check histograms (non-negative, positive total) on the host first.
+//
+// Both backends order min/max totally (-0.0 < +0.0), so a result never depends on the thread
+// count, the instruction set or the batch size.
 #ifndef QTOOL_KERNELS_H
 #define QTOOL_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#define QT_ABI_VERSION 1
+#define QT_ABI_VERSION 2
 
 #define QT_OK 0
 #define QT_ERR_EMPTY 1       /* zero elements / zero channels */
 #define QT_ERR_BAD_ARG 2     /* nbins < 1, num_levels < 1, half_range <= 0, percentile range */
 #define QT_ERR_NO_COUNTS 3   /* histogram sums to zero (or has a negative count) */
+#define QT_ERR_RESOURCE 4    /* out of memory or threads */
 #define QT_ERR_CUDA_BASE 1000 /* QT_ERR_CUDA_BASE + cudaError_t */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* Instruction sets of the CPU kernels (qt_cpu_set_isa); every one gives identical results. */
+#define QT_ISA_BEST (-1)
+#define QT_ISA_SCALAR 0
+#define QT_ISA_AVX2 1   /* AVX2 + FMA */
+#define QT_ISA_AVX512 2 /* AVX-512 F + BW */
+
 /* ---- libqtool_cpu.so ---- */
 int qt_cpu_abi_version(void);
 const char* qt_cpu_status_string(int status);
+int qt_cpu_isa_supported(int isa); /* 1 when this CPU (and OS) can run `isa` */
+/* QT_ERR_BAD_ARG when unsupported; QT_ISA_BEST picks the best. Process-wide, for tests. */
+int qt_cpu_set_isa(int isa);
+int qt_cpu_get_isa(void);
+/* Threads a call may use, the caller included; < 1 restores the default (QTOOL_CPU_THREADS, else
+   the CPUs in the affinity mask). Threads are started once and reused. */
+int qt_cpu_set_num_threads(int threads);
+int qt_cpu_get_num_threads(void);
 int qt_cpu_tensor_minmax(const float* x, int64_t n, float* out_min, float* out_max,
                          int64_t* out_nonfinite);
 int qt_cpu_channel_minmax(const float* x, int64_t channels, int64_t inner, float* out_min,
                           float* out_max);
 int qt_cpu_histogram_accumulate(const float* x, int64_t n, float half_range, int64_t* counts,
                                 int64_t nbins);
+/* One pass for a streaming observer: min/max/non-finite count as qt_cpu_tensor_minmax, and when
+   half_range > 0, every value is finite and -half_range < x < half_range, also adds the histogram
+   of x (as qt_cpu_histogram_accumulate) to counts and sets *out_accumulated = 1. Otherwise counts
+   are left untouched and *out_accumulated = 0 (the caller grows its range and calls again).
+   half_range == 0: min/max only. */
+int qt_cpu_observe(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
+                   float* out_min, float* out_max, int64_t* out_nonfinite,
+                   int32_t* out_accumulated);
 /* out: nbins - num_levels + 1 divergences, candidate i = num_levels + k */
 int qt_cpu_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out);
 int qt_cpu_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,
@@ -62,6 +88,10 @@ int qt_cuda_channel_minmax(const float* x, int64_t channels, int64_t inner, floa
                            float* out_max, void* stream);
 int qt_cuda_histogram_accumulate(const float* x, int64_t n, float half_range, int64_t* counts,
                                  int64_t nbins, void* stream);
+/* qt_cpu_observe on the device; every output is a device pointer (results after a sync). */
+int qt_cuda_observe(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
+                    float* out_min, float* out_max, int64_t* out_nonfinite,
+                    int32_t* out_accumulated, void* stream);
 int qt_cuda_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out,
                            void* stream);
 int qt_cuda_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,

@@ -8,12 +8,18 @@ min/max and chosen thresholds (up to floating-point summation order in the searc
 
 A missing CPU library is an error (reinstall), never a silent numpy fallback: calibration
 results must come from one implementation.
+
+The CPU library picks the best instruction set it can run (AVX-512, AVX2, scalar; identical results
+on each) and keeps a persistent thread pool. `QTOOL_CPU_ISA=scalar|avx2|avx512` and
+`QTOOL_CPU_THREADS=N` override them for the process (read when the library loads; an instruction
+set this CPU lacks is an error); `set_cpu_isa` / `set_cpu_threads` change them at run time (tests).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,23 +33,35 @@ CPU_LIB = LIB_DIR / "libqtool_cpu.so"
 CUDA_LIB = LIB_DIR / "libqtool_cuda.so"
 BUILD_INFO = LIB_DIR / "build_info.json"
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _OK = 0
 _STATUS = {
     1: "empty input",
     2: "invalid argument",
     3: "histogram has no counts or a negative count",
+    4: "out of memory or threads",
 }
+# qtool_kernels.h QT_ISA_*: the order is also the preference order, best last
+CPU_ISAS = ("scalar", "avx2", "avx512")
+_ISA_ENV = "QTOOL_CPU_ISA"
+_THREADS_ENV = "QTOOL_CPU_THREADS"
 
 _i64 = ctypes.c_int64
 _f32p = ctypes.POINTER(ctypes.c_float)
 _f64p = ctypes.POINTER(ctypes.c_double)
 _i64p = ctypes.POINTER(ctypes.c_int64)
+_i32p = ctypes.POINTER(ctypes.c_int32)
 _vp = ctypes.c_void_p
 
 # name: argtypes (all functions return int status)
 _CPU_SIGNATURES: dict[str, list[Any]] = {
     "qt_cpu_abi_version": [],
+    "qt_cpu_isa_supported": [ctypes.c_int],
+    "qt_cpu_set_isa": [ctypes.c_int],
+    "qt_cpu_get_isa": [],
+    "qt_cpu_set_num_threads": [ctypes.c_int],
+    "qt_cpu_get_num_threads": [],
+    "qt_cpu_observe": [_f32p, _i64, ctypes.c_float, _i64p, _i64, _f32p, _f32p, _i64p, _i32p],
     "qt_cpu_tensor_minmax": [_f32p, _i64, _f32p, _f32p, _i64p],
     "qt_cpu_channel_minmax": [_f32p, _i64, _i64, _f32p, _f32p],
     "qt_cpu_histogram_accumulate": [_f32p, _i64, ctypes.c_float, _i64p, _i64],
@@ -65,6 +83,7 @@ _CUDA_SIGNATURES: dict[str, list[Any]] = {
     "qt_cuda_tensor_minmax": [_vp, _i64, _vp, _vp, _vp, _vp],
     "qt_cuda_channel_minmax": [_vp, _i64, _i64, _vp, _vp, _vp],
     "qt_cuda_histogram_accumulate": [_vp, _i64, ctypes.c_float, _vp, _i64, _vp],
+    "qt_cuda_observe": [_vp, _i64, ctypes.c_float, _vp, _i64, _vp, _vp, _vp, _vp, _vp],
     "qt_cuda_kl_divergences": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_kl_threshold": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_mse_errors": [_vp, _i64, _i64, _vp, _vp],
@@ -109,8 +128,24 @@ def _load_cpu() -> ctypes.CDLL:
                 raise KernelError(f"cannot load {CPU_LIB}: {exc}; reinstall qtool") from exc
             if lib.qt_cpu_abi_version() != _ABI_VERSION:
                 raise KernelError(f"{CPU_LIB} has an outdated interface: reinstall qtool")
+            _apply_environment(lib)
             _cpu = lib
         return _cpu
+
+
+def _apply_environment(lib: ctypes.CDLL) -> None:
+    """QTOOL_CPU_ISA / QTOOL_CPU_THREADS, checked here so a typo is an error, not ignored."""
+    isa = os.environ.get(_ISA_ENV, "").strip().lower()
+    if isa:
+        if isa not in CPU_ISAS:
+            raise KernelError(f"{_ISA_ENV}={isa!r}: expected one of {', '.join(CPU_ISAS)}")
+        if lib.qt_cpu_set_isa(CPU_ISAS.index(isa)) != _OK:
+            raise KernelError(f"{_ISA_ENV}={isa}: this CPU does not support {isa}")
+    threads = os.environ.get(_THREADS_ENV, "").strip()
+    if threads:
+        if not threads.isdigit() or not 1 <= int(threads) <= 64:
+            raise KernelError(f"{_THREADS_ENV}={threads!r}: expected an integer from 1 to 64")
+        lib.qt_cpu_set_num_threads(int(threads))
 
 
 def _probe_cuda() -> tuple[ctypes.CDLL | None, str]:
@@ -191,6 +226,19 @@ def _hist_data(hist: Any, what: str, require_counts: bool = True) -> np.ndarray:
     return out
 
 
+def _check_counts(counts: Any, what: str) -> None:
+    if (
+        not isinstance(counts, np.ndarray)
+        or counts.dtype != np.int64
+        or counts.ndim != 1
+        or not counts.flags.c_contiguous
+        or not counts.flags.writeable
+    ):
+        raise KernelError(f"{what}: counts must be a writeable contiguous int64 1-D array")
+    if counts.size < 1:
+        raise KernelError(f"{what}: nbins must be >= 1")
+
+
 def _ptr(arr: np.ndarray, ctype: Any) -> Any:
     return arr.ctypes.data_as(ctypes.POINTER(ctype))
 
@@ -255,6 +303,44 @@ class _DeviceBuffers:
 # ---------------------------------------------------------------------------------------------
 
 
+def supported_cpu_isas() -> list[str]:
+    """Instruction sets this CPU can run the kernels with, worst to best."""
+    lib = _load_cpu()
+    return [name for i, name in enumerate(CPU_ISAS) if lib.qt_cpu_isa_supported(i)]
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use now."""
+    return CPU_ISAS[_load_cpu().qt_cpu_get_isa()]
+
+
+def set_cpu_isa(name: str | None) -> None:
+    """Force an instruction set for the whole process (None: the best one). Every set gives
+    identical results; this exists so tests can check each against the numpy references."""
+    lib = _load_cpu()
+    if name is None:
+        lib.qt_cpu_set_isa(-1)
+        return
+    if name not in CPU_ISAS:
+        raise KernelError(f"unknown CPU instruction set {name!r}: expected one of {CPU_ISAS}")
+    if lib.qt_cpu_set_isa(CPU_ISAS.index(name)) != _OK:
+        raise KernelError(f"this CPU does not support the {name} kernels")
+
+
+def cpu_threads() -> int:
+    """Threads a CPU kernel call may use, the caller included."""
+    return int(_load_cpu().qt_cpu_get_num_threads())
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """Threads per call (None: the default, QTOOL_CPU_THREADS or every CPU of the affinity mask).
+    The pool's threads are started once and reused; results do not depend on the count."""
+    n = 0 if threads is None else int(threads)
+    if threads is not None and not 1 <= n <= 64:
+        raise KernelError(f"threads must be from 1 to 64, got {threads}")
+    _load_cpu().qt_cpu_set_num_threads(n)
+
+
 def tensor_minmax(x: np.ndarray, device: str = "cpu") -> tuple[float, float, int]:
     """(min, max, count of NaN/Inf); min/max ignore non-finite values and are NaN if none is
     finite, so the caller can name the offending tensor."""
@@ -317,18 +403,7 @@ def histogram_accumulate(
     """Add x to `counts` (int64 [nbins], in place): uniform bins over [-R, R], values outside
     clamp into the edge bins, NaN/Inf are skipped."""
     arr = _float_data(x, "histogram_accumulate")
-    if (
-        not isinstance(counts, np.ndarray)
-        or counts.dtype != np.int64
-        or counts.ndim != 1
-        or not counts.flags.c_contiguous
-        or not counts.flags.writeable
-    ):
-        raise KernelError(
-            "histogram_accumulate: counts must be a writeable contiguous int64 1-D array"
-        )
-    if counts.size < 1:
-        raise KernelError("histogram_accumulate: nbins must be >= 1")
+    _check_counts(counts, "histogram_accumulate")
     r = float(np.float32(half_range))
     if not np.isfinite(r) or r <= 0.0:
         raise KernelError(
@@ -345,6 +420,63 @@ def histogram_accumulate(
         n, nbins = arr.size, counts.size
         buf.check(buf.lib.qt_cuda_histogram_accumulate(d_x, n, r, d_counts, nbins, None))
         buf.download(d_counts, counts)
+
+
+def observe(
+    x: np.ndarray, half_range: float, counts: np.ndarray, device: str = "cpu"
+) -> tuple[float, float, int, bool]:
+    """One pass for a streaming observer: (min, max, NaN/Inf count, accumulated).
+
+    min/max/count are those of tensor_minmax. When half_range > 0 and every value is finite and
+    strictly inside (-half_range, half_range), the histogram of x (as histogram_accumulate) is
+    also added to `counts` and `accumulated` is True; otherwise `counts` is untouched, so the
+    caller can grow its range and call again. half_range == 0 computes min/max only.
+    """
+    arr = _float_data(x, "observe")
+    _check_counts(counts, "observe")
+    r = float(np.float32(half_range))
+    if not np.isfinite(r) or r < 0.0:
+        raise KernelError(f"observe: half_range must be finite and >= 0, got {half_range}")
+    if _check_device(device) == "cpu":
+        lo, hi, nf = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64)
+        done = np.zeros(1, np.int32)
+        status = _load_cpu().qt_cpu_observe(
+            _ptr(arr, ctypes.c_float),
+            arr.size,
+            r,
+            _ptr(counts, ctypes.c_int64),
+            counts.size,
+            _ptr(lo, ctypes.c_float),
+            _ptr(hi, ctypes.c_float),
+            _ptr(nf, ctypes.c_int64),
+            _ptr(done, ctypes.c_int32),
+        )
+        _check_cpu(status, "observe")
+        return float(lo[0]), float(hi[0]), int(nf[0]), bool(done[0])
+    with _DeviceBuffers(_cuda_lib(), "observe") as buf:
+        d_x, d_counts = buf.upload(arr), buf.upload(counts)
+        d_out = buf.alloc(24)  # float min, float max, int64 count, int32 accumulated
+        lib = buf.lib
+        buf.check(
+            lib.qt_cuda_observe(
+                d_x,
+                arr.size,
+                r,
+                d_counts,
+                counts.size,
+                d_out,
+                d_out + 4,
+                d_out + 8,
+                d_out + 16,
+                None,
+            )
+        )
+        raw = buf.download(d_out, np.zeros(24, np.uint8))
+        accumulated = bool(raw[16:20].view(np.int32)[0])
+        if accumulated:
+            buf.download(d_counts, counts)
+    lo, hi = raw[:8].view(np.float32)
+    return float(lo), float(hi), int(raw[8:16].view(np.int64)[0]), accumulated
 
 
 def _check_levels(value: int, name: str, what: str) -> int:

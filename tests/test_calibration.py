@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+from pathlib import Path
 
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from qtool import kernels
+from qtool.calibration import collect
 from qtool.calibration.observers import HistogramObserver
 from qtool.calibration.ranges import compute_range
+from qtool.data import Batch
 from qtool.errors import CalibrationError
 
 BINS = 4096  # signed bins over [-R, R]
@@ -134,3 +141,83 @@ def test_a_maximum_on_a_bin_edge_is_not_clipped_away(method):
     assert (1.0 / stats.bin_width).is_integer()
     low, high = compute_range(stats, method, symmetric=False)
     assert low == 0.0 and high == pytest.approx(1.0, abs=0.01)  # not 15/16: the top level kept
+
+
+def test_observer_statistics_are_identical_on_every_isa_and_thread_count():
+    """The fused pass (speculative histogram, second pass only when the range grows) against the
+    scalar kernels and numpy, over batches that grow the range, stay inside it and hold zeros."""
+    rng = np.random.default_rng(7)
+    chunks = [
+        np.maximum(rng.standard_normal((16, 5000)) * s, 0).astype(np.float32)
+        for s in (0.5, 0.4, 3.0, 2.9, 0.1)
+    ]  # grow, inside, grow, inside, inside
+    chunks[1][0, :7] = -0.0
+    results = []
+    try:
+        for isa in kernels.supported_cpu_isas():
+            kernels.set_cpu_isa(isa)
+            for threads in (1, 2):
+                kernels.set_cpu_threads(threads)
+                results.append(_observe(chunks).result())
+    finally:
+        kernels.set_cpu_isa(None)
+        kernels.set_cpu_threads(None)
+    values = np.concatenate([c.ravel() for c in chunks])
+    first = results[0]
+    np.testing.assert_array_equal(first.counts, _numpy_histogram(values, first.half_range))
+    for other in results[1:]:
+        assert other.half_range == first.half_range
+        np.testing.assert_array_equal(other.counts, first.counts)
+        assert (other.minimum, other.maximum, other.samples) == (0.0, values.max(), 80)
+        assert np.signbit(other.minimum)  # the -0.0s order below +0.0 everywhere
+
+
+def test_signed_zero_minimum_does_not_depend_on_batch_order():
+    a = np.array([0.0, 1.0], np.float32)
+    b = np.array([-0.0, 2.0], np.float32)
+    for order in ([a, b], [b, a]):
+        stats = _observe(order).result()
+        assert stats.minimum == 0.0 and np.signbit(stats.minimum)
+
+
+def _tiny_model() -> onnx.ModelProto:
+    """x -> MatMul(w) -> h -> Relu -> y, with h's type inferred (what calibration observes)."""
+    w = numpy_helper.from_array(
+        np.random.default_rng(8).standard_normal((6, 4)).astype(np.float32), "w"
+    )
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 6])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_collect_statistics_runs_ort_from_a_file_and_leaves_the_model_unchanged(monkeypatch):
+    model = _tiny_model()
+    before = model.SerializeToString()
+    opened = []
+    real = collect.create_session
+
+    def spy(source, **kwargs):
+        opened.append(source)
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(collect, "create_session", spy)
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal((5, 6)).astype(np.float32) for _ in range(3)]
+    stats = collect.collect_statistics(
+        model, ["x", "h"], [Batch({"x": x}, None) for x in xs], bins=BINS // 2, progress=False
+    )
+    assert len(opened) == 1 and isinstance(opened[0], Path)  # a path: no model bytes kept
+    assert not opened[0].exists()  # the temporary file is gone
+    assert model.SerializeToString() == before
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    for s, values in zip(stats, (np.concatenate(xs), np.concatenate(xs) @ weight), strict=True):
+        assert s.samples == 15
+        assert s.minimum == pytest.approx(values.min(), rel=1e-6)
+        assert s.maximum == pytest.approx(values.max(), rel=1e-6)
+        assert s.counts.sum() == values.size

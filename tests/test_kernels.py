@@ -6,6 +6,11 @@ runs; tests/gpu/ only compares the two backends.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -366,3 +371,267 @@ def test_missing_cpu_library_says_reinstall(monkeypatch, tmp_path) -> None:
     with pytest.raises(KernelError, match="reinstall"):
         k.tensor_minmax(np.ones(4))
     assert k.backends()["cpu"].startswith("unavailable")
+
+
+# ---------------------------------------------------------------------------------------------
+# instruction sets, fused observe pass, thread pool
+# ---------------------------------------------------------------------------------------------
+# Every instruction set the CPU has is forced in turn and compared with numpy: the vector paths
+# (AVX2 8 lanes, AVX-512 16 lanes, 4 vectors per step) and their scalar tails must give the very
+# bins of the double formula and the same min/max, whatever the length, NaN/Inf placement or
+# thread count. Sets this CPU lacks are skipped, so AVX2-only and AVX-512 machines both pass.
+
+
+@pytest.fixture(params=list(k.CPU_ISAS))
+def isa(request):
+    name = request.param
+    if name not in k.supported_cpu_isas():
+        pytest.skip(f"this CPU cannot run the {name} kernels")
+    k.set_cpu_isa(name)
+    yield name
+    k.set_cpu_isa(None)
+
+
+@pytest.fixture
+def threads():
+    yield k.set_cpu_threads
+    k.set_cpu_threads(None)
+
+
+def ref_hist(x: np.ndarray, half_range: float, nbins: int) -> np.ndarray:
+    """qt_hist_bin in numpy: floor((double(v) + R) * nbins / (2R)), clamped, non-finite skipped."""
+    v = np.asarray(x, np.float32).ravel()
+    v = v[np.isfinite(v)].astype(np.float64)
+    r = np.float64(np.float32(half_range))
+    t = (v + r) * (np.float64(nbins) / (2.0 * r))
+    bins = np.where(t < 0.0, 0, np.where(t >= nbins, nbins - 1, np.floor(t))).astype(np.int64)
+    return np.bincount(bins, minlength=nbins)
+
+
+def _edge_values(half_range: float, nbins: int) -> np.ndarray:
+    """Floats at and next to every bin edge, the range ends, and tiny values around R * 2^-54
+    (where the double sum v + R starts rounding onto R), both signs."""
+    r = np.float32(half_range)
+    edges = (-r + np.arange(nbins + 1) * (2 * r / nbins)).astype(np.float32)
+    near = [
+        edges,
+        np.nextafter(edges, np.float32(np.inf)),
+        np.nextafter(edges, np.float32(-np.inf)),
+    ]
+    tau = np.float64(r) * 2.0**-54
+    tiny = np.array([tau * f for f in (0.5, 0.99, 1.0, 1.01, 1.5, 2.0, 2.01, 1e-3)], np.float32)
+    subnormal = np.array([1e-45, 3e-42, 1.1754942e-38, 1.1754944e-38], np.float32)
+    special = np.array([0.0, r * 0.999, r, r * 1.001, 3.4e38], np.float32)
+    pos = np.concatenate([*near, tiny, subnormal, special])
+    return np.concatenate([pos, -pos]).astype(np.float32)
+
+
+LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1000]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_each_isa_minmax_and_histogram_match_numpy_at_every_length(isa, n) -> None:
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 3
+    assert k.tensor_minmax(x) == ref_minmax(x)
+    for r, nbins in ((8.0, 4096), (3.0, 3000), (0.5, 10)):  # float path, double path, odd sizes
+        counts = np.zeros(nbins, np.int64)
+        k.histogram_accumulate(x, r, counts)
+        np.testing.assert_array_equal(counts, ref_hist(x, r, nbins))
+
+
+@pytest.mark.parametrize("r,nbins", [(1.0, 4096), (8.0, 256), (2.0**-20, 1024), (0.75, 4096)])
+def test_each_isa_bins_values_on_and_next_to_bin_edges_like_the_double_formula(isa, r, nbins):
+    values = _edge_values(r, nbins)
+    counts = np.zeros(nbins, np.int64)
+    k.histogram_accumulate(values, r, counts)
+    np.testing.assert_array_equal(counts, ref_hist(values, r, nbins))
+    # one value at a time (40 copies: vector lanes and tail), so no two errors can cancel
+    for v in values[:: max(1, len(values) // 300)]:
+        one = np.zeros(nbins, np.int64)
+        k.histogram_accumulate(np.full(40, v, np.float32), r, one)
+        np.testing.assert_array_equal(one, ref_hist(np.full(40, v, np.float32), r, nbins), str(v))
+
+
+def test_each_isa_observe_accumulates_exactly_when_every_value_is_inside(isa) -> None:
+    rng = np.random.default_rng(20)
+    for nbins, r in ((4096, 4.0), (1000, 4.0)):  # speculative float path and the double path
+        x = rng.uniform(-3.99, 3.99, size=100_003).astype(np.float32)
+        counts = np.arange(nbins, dtype=np.int64)
+        lo, hi, nf, done = k.observe(x, r, counts)
+        assert done and nf == 0 and (lo, hi) == (float(x.min()), float(x.max()))
+        np.testing.assert_array_equal(counts, np.arange(nbins) + ref_hist(x, r, nbins))
+        # edge-of-range values: counted while strictly inside, rejected at |x| = R
+        edges = _edge_values(r, nbins)
+        inside = edges[np.abs(edges) < r]
+        counts = np.zeros(nbins, np.int64)
+        assert k.observe(inside, r, counts)[3]
+        np.testing.assert_array_equal(counts, ref_hist(inside, r, nbins))
+
+
+@pytest.mark.parametrize("bad", [4.0, -4.0, 1e30, np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("where", [0, 50_000, 100_002])  # first vector, middle, scalar tail
+def test_each_isa_observe_leaves_counts_untouched_when_a_value_is_outside(isa, bad, where):
+    x = np.random.default_rng(21).uniform(-3.9, 3.9, size=100_003).astype(np.float32)
+    x[where] = bad
+    counts = np.arange(4096, dtype=np.int64)
+    lo, hi, nf, done = k.observe(x, 4.0, counts)
+    assert not done
+    np.testing.assert_array_equal(counts, np.arange(4096))
+    assert (lo, hi, nf) == ref_minmax(x)  # min/max stay exact when the histogram is dropped
+
+
+def test_observe_with_zero_range_computes_min_max_only(isa) -> None:
+    counts = np.zeros(8, np.int64)
+    assert k.observe(np.array([0.0, -2.0, 5.0]), 0.0, counts) == (-2.0, 5.0, 0, False)
+    assert not counts.any()
+    assert k.observe(np.zeros(70), 0.0, counts) == (0.0, 0.0, 0, False)
+
+
+@pytest.mark.parametrize("n", [3, 40, 100_001])
+def test_each_isa_orders_signed_zeros_the_same_way(isa, n) -> None:
+    """-0.0 < +0.0 for min/max, so a zero result does not depend on lanes, threads or order."""
+    rng = np.random.default_rng(n)
+    x = np.abs(rng.standard_normal(n)).astype(np.float32) + 1
+    x[rng.choice(n, size=2, replace=False)] = [0.0, -0.0]
+    lo, hi, _ = k.tensor_minmax(x)
+    assert lo == 0.0 and np.signbit(lo)
+    lo, hi, _, _ = k.observe(-x, 2.0**40, np.zeros(16, np.int64))
+    assert hi == 0.0 and not np.signbit(hi)
+    assert np.signbit(k.tensor_minmax(np.full(n, -0.0))[1])  # only -0.0: max is -0.0
+    assert not np.signbit(k.tensor_minmax(np.zeros(n))[0])  # only +0.0: min is +0.0
+    lo_c, hi_c = k.channel_minmax(np.stack([x, -x]), axis=0)
+    assert np.signbit(lo_c[0]) and not np.signbit(hi_c[1])
+
+
+def test_each_isa_nonfinite_values_in_vectors_and_tails(isa) -> None:
+    x = np.random.default_rng(22).standard_normal(1003).astype(np.float32)
+    x[[0, 9, 40, 41, 500, 1001, 1002]] = [np.nan, np.inf, -np.inf, np.nan, np.inf, np.nan, -np.inf]
+    assert k.tensor_minmax(x) == ref_minmax(x)
+    counts = np.zeros(4096, np.int64)
+    k.histogram_accumulate(x, 8.0, counts)
+    np.testing.assert_array_equal(counts, ref_hist(x, 8.0, 4096))
+    lo, hi, nf = k.tensor_minmax(np.full(50, np.nan, np.float32))
+    assert np.isnan(lo) and np.isnan(hi) and nf == 50
+
+
+def test_results_do_not_depend_on_the_thread_count(isa, threads) -> None:
+    """Several 2^18-element tasks, so N threads really split the work."""
+    rng = np.random.default_rng(23)
+    x = np.maximum(rng.standard_t(3, size=1_300_007), 0).astype(np.float32)  # zeros: Relu-like
+    x[777] = -0.0
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        assert k.cpu_threads() == n
+        counts = np.zeros(4096, np.int64)
+        r = 2.0 ** np.ceil(np.log2(float(x.max()) + 1))
+        out = k.observe(x, r, counts)
+        h = np.zeros(3000, np.int64)
+        k.histogram_accumulate(x, 7.5, h)
+        lo, hi = k.channel_minmax(x[:1_300_000].reshape(100, -1), axis=0)
+        results.append((out, counts, h, lo, hi))
+    first = results[0]
+    assert first[0][3]
+    np.testing.assert_array_equal(first[1], ref_hist(x, r, 4096))
+    np.testing.assert_array_equal(first[2], ref_hist(x, 7.5, 3000))
+    for other in results[1:]:
+        assert other[0] == first[0] and np.signbit(other[0][0]) == np.signbit(first[0][0])
+        for a, b in zip(other[1:], first[1:], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_thread_pool_is_created_once_and_reused(threads) -> None:
+    threads(3)
+    x = np.random.default_rng(24).standard_normal(2_000_000).astype(np.float32)
+    k.tensor_minmax(x)  # starts the pool's threads if this process has none yet
+    before = _os_threads()
+    for _ in range(20):
+        k.tensor_minmax(x)
+        k.observe(x, 16.0, np.zeros(4096, np.int64))
+        k.histogram_accumulate(x, 16.0, np.zeros(4096, np.int64))
+    assert _os_threads() == before  # no thread is spawned (or left behind) per call
+
+
+def test_isa_and_thread_settings_are_validated() -> None:
+    assert k.cpu_isa() == k.supported_cpu_isas()[-1]  # the best one by default
+    assert "scalar" in k.supported_cpu_isas()
+    with pytest.raises(KernelError, match="unknown CPU instruction set"):
+        k.set_cpu_isa("sse9")
+    with pytest.raises(KernelError, match="from 1 to 64"):
+        k.set_cpu_threads(0)
+    missing = [name for name in k.CPU_ISAS if name not in k.supported_cpu_isas()]
+    if missing:
+        with pytest.raises(KernelError, match="does not support"):
+            k.set_cpu_isa(missing[0])
+        assert k.cpu_isa() == k.supported_cpu_isas()[-1]
+
+
+def _run_env(env: dict[str, str], code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_environment_forces_isa_and_threads() -> None:
+    code = "import qtool.kernels as k; print(k.cpu_isa(), k.cpu_threads())"
+    proc = _run_env({"QTOOL_CPU_ISA": "scalar", "QTOOL_CPU_THREADS": "3"}, code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["scalar", "3"]
+    bad = _run_env({"QTOOL_CPU_ISA": "sse9"}, code)
+    assert bad.returncode != 0 and "QTOOL_CPU_ISA='sse9'" in bad.stderr
+    missing = [name for name in k.CPU_ISAS if name not in k.supported_cpu_isas()]
+    if missing:
+        proc = _run_env({"QTOOL_CPU_ISA": missing[0]}, code)
+        assert proc.returncode != 0 and "does not support" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: k.observe(np.zeros(0), 1.0, np.zeros(4, np.int64)),
+        lambda: k.observe(np.ones(3), -1.0, np.zeros(4, np.int64)),
+        lambda: k.observe(np.ones(3), float("inf"), np.zeros(4, np.int64)),
+        lambda: k.observe(np.ones(3), 1.0, np.zeros(4, np.int32)),
+        lambda: k.observe(np.ones(3), 1.0, np.zeros(0, np.int64)),
+    ],
+)
+def test_observe_bad_arguments_raise_kernel_error(call) -> None:
+    with pytest.raises(KernelError):
+        call()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_a_working_pool(threads) -> None:
+    """The child inherits the pool object but none of its threads; it must build its own rather
+    than wait forever for workers that do not exist."""
+    threads(2)
+    x = np.random.default_rng(25).standard_normal(1_500_000).astype(np.float32)
+    expected = k.tensor_minmax(x)  # the parent's pool threads exist now
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the multi-threaded kernels work
+        ok = False
+        try:
+            ok = k.tensor_minmax(x) == expected
+            counts = np.zeros(4096, np.int64)
+            ok = ok and k.observe(x, 8.0, counts)[3] and int(counts.sum()) == x.size
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in the kernel thread pool")

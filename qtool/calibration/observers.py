@@ -5,6 +5,9 @@ When a batch exceeds R, R doubles and pairs of bins merge, which is exact: a val
 the merge of its bin at R. So the final histogram equals the one a single pass over all the data
 would build at the final R, whatever the batch size or order (counts are integers, min/max are
 exact), which is what makes the stats file independent of the batch size.
+
+Each batch costs one fused pass over the tensor (kernels.observe: min/max and the histogram at the
+current range); only a batch that grows the range takes a second pass at the new range.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ class TensorStats:
     @property
     def bin_width(self) -> float:
         return 2.0 * self.half_range / len(self.counts)
+
+
+def _lower(a: float, b: float) -> float:
+    """min in the kernels' total order (-0.0 < +0.0), so the result never depends on batch order."""
+    return b if b < a or (b == a and math.copysign(1.0, b) < math.copysign(1.0, a)) else a
+
+
+def _higher(a: float, b: float) -> float:
+    return b if b > a or (b == a and math.copysign(1.0, b) > math.copysign(1.0, a)) else a
 
 
 def _power_of_two_above(value: float) -> float:
@@ -62,23 +74,30 @@ class HistogramObserver:
     def update(self, values: np.ndarray) -> None:
         if values.size == 0:
             return
-        low, high, nonfinite = kernels.tensor_minmax(values, device=self.device)
+        low, high, nonfinite, accumulated = kernels.observe(
+            values, self.half_range, self.counts, device=self.device
+        )
         if nonfinite:
             raise CalibrationError(
                 f"tensor '{self.name}' has {nonfinite} NaN/Inf values during calibration "
                 "(check the model and the calibration data)"
             )
         self.samples += int(values.shape[0]) if values.ndim else 1
-        self.minimum = min(self.minimum, low)
-        self.maximum = max(self.maximum, high)
+        self.minimum = _lower(self.minimum, low)
+        self.maximum = _higher(self.maximum, high)
+        if accumulated:  # every |x| < R: counted at the current range in the same pass
+            return
         magnitude = max(abs(low), abs(high))
-        if magnitude == 0.0:
-            if self.half_range == 0.0:
-                self.zeros_pending += values.size
-                return
-        elif magnitude >= self.half_range:
-            self._grow(_power_of_two_above(magnitude))
-        kernels.histogram_accumulate(values, self.half_range, self.counts, device=self.device)
+        if magnitude == 0.0:  # only while R is still 0: observe counts zeros once R > 0
+            self.zeros_pending += values.size
+            return
+        self._grow(_power_of_two_above(magnitude))
+        *_, accumulated = kernels.observe(values, self.half_range, self.counts, device=self.device)
+        if not accumulated:
+            raise CalibrationError(
+                f"tensor '{self.name}': the histogram kernel rejected a range ({self.half_range}) "
+                f"above every value (max |x| = {magnitude}); this is a qtool bug"
+            )
 
     def _grow(self, new_half_range: float) -> None:
         if self.half_range == 0.0:

@@ -70,6 +70,22 @@ def test_histogram(nbins: int, n: int) -> None:
     assert gpu.sum() - start.sum() == np.isfinite(x).sum()
 
 
+@pytest.mark.parametrize("nbins", [4096, 3000, 16384])  # shared and global histogram paths
+@pytest.mark.parametrize("bad", [None, 3.0, np.nan])  # inside, out of range, non-finite
+def test_observe(nbins: int, bad: float | None) -> None:
+    x = np.clip(_data(5_000_001, seed=nbins), -2.9, 2.9)
+    if bad is not None:
+        x[123_457] = bad
+    start = np.arange(nbins, dtype=np.int64) % 5
+    gpu, cpu = start.copy(), start.copy()
+    out_gpu = k.observe(x, 3.0, gpu, device="cuda")
+    out_cpu = k.observe(x, 3.0, cpu, device="cpu")
+    assert out_gpu[2:] == out_cpu[2:] and out_gpu[3] == (bad is None)
+    np.testing.assert_array_equal(out_gpu[:2], out_cpu[:2])
+    np.testing.assert_array_equal(gpu, cpu)
+    assert k.observe(x, 0.0, gpu, device="cuda")[3] is False
+
+
 @pytest.mark.parametrize("nbins,levels", [(2048, 128), (8192, 128), (300, 255), (40, 8), (50, 128)])
 def test_kl(nbins: int, levels: int) -> None:
     hist = _abs_hist(_data(2_000_000, seed=nbins), nbins)
