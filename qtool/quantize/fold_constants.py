@@ -40,6 +40,9 @@ _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 # A folded tensor larger than this AND larger than its inputs together is left as a node: folding
 # Expand/Tile/ConstantOfShape would bloat the file without removing any work worth removing.
 _MAX_GROWTH_BYTES = 1 << 20
+# Inputs that are weights of the consumer however large they are: the zero bias the dynamo exporter
+# builds with Expand for a bias-free Conv must become an initializer for the layer to quantize.
+_WEIGHT_SLOTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2)}
 
 
 class _Constants:
@@ -69,6 +72,11 @@ class _Constants:
             return list(self._arrays[name].shape)
         return [int(d) for d in self._protos[name].dims] if name in self._protos else None
 
+    def elem_type(self, name: str) -> int:
+        if name in self._arrays:
+            return helper.np_dtype_to_tensor_dtype(self._arrays[name].dtype)
+        return self._protos[name].data_type
+
     def nbytes(self, name: str) -> int:
         if name in self._arrays:
             return int(self._arrays[name].nbytes)
@@ -87,10 +95,17 @@ def fold_constants(
     """
     consts = _Constants(graph.initializer)
     graph_outputs = {o.name for o in graph.output}
+    weights = {
+        node.input[i]
+        for node in graph.node
+        if node.domain in STANDARD_DOMAINS
+        for i in _WEIGHT_SLOTS.get(node.op_type, ())
+        if i < len(node.input)
+    }
     folded: list[int] = []  # node indexes (ids of upb wrappers are not stable)
     new_inits: list[onnx.TensorProto] = []
     for index, node in enumerate(graph.node):
-        values = _try_fold(node, consts, opsets, types)
+        values = _try_fold(node, consts, opsets, types, weights)
         if values is None or any(o in graph_outputs for o in node.output):
             continue
         folded.append(index)
@@ -111,6 +126,7 @@ def _try_fold(
     consts: _Constants,
     opsets: dict[str, int],
     types: dict[str, onnx.TypeProto],
+    weights: set[str],
 ) -> list[np.ndarray] | None:
     if node.domain not in STANDARD_DOMAINS or node.op_type in _NEVER_FOLD:
         return None
@@ -120,15 +136,22 @@ def _try_fold(
         shape = consts.shape(node.input[0])
         shape = shape if shape is not None else static_shape(types.get(node.input[0]))
         return None if shape is None else [_shape_value(node, shape)]
+    if node.op_type == "CastLike":
+        node = _cast_like_as_cast(node, consts, types)
+        if node is None:
+            return None
     inputs = [n for n in node.input if n]
     if not all(n in consts for n in inputs):
         return None
     in_bytes = sum(consts.nbytes(n) for n in inputs)
-    # A Constant node is a weight written inline: it always becomes an initializer.
-    limit = node.op_type != "Constant"
+    # A Constant node is a weight written inline, and a weight slot holds a layer's own weight:
+    # they always become initializers.
+    limit = node.op_type != "Constant" and not any(o in weights for o in node.output)
     for out in node.output if limit else ():
-        shape = static_shape(types.get(out))
-        if shape is not None and _too_big(int(np.prod(shape, dtype=np.int64)) * 8, in_bytes):
+        t = types.get(out)
+        shape = static_shape(t)
+        itemsize = _itemsize(t.tensor_type.elem_type) if shape is not None else 0
+        if shape is not None and _too_big(int(np.prod(shape, dtype=np.int64)) * itemsize, in_bytes):
             return None
     try:
         values = _evaluate(node, consts, opsets)
@@ -138,6 +161,36 @@ def _try_fold(
     if limit and any(_too_big(v.nbytes, in_bytes) for v in values):
         return None
     return values
+
+
+def _cast_like_as_cast(
+    node: onnx.NodeProto, consts: _Constants, types: dict[str, onnx.TypeProto]
+) -> onnx.NodeProto | None:
+    """CastLike(c, like) reads only the element type of `like`, which is often an activation.
+
+    The dynamo exporter writes every literal it mixes with a tensor (Clip bounds, zero biases)
+    as CastLike(literal, tensor): as a Cast to the known type it folds like any constant node.
+    """
+    like = node.input[1]
+    if like in consts:
+        elem = consts.elem_type(like)
+    else:
+        t = types.get(like)
+        if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+            return None
+        elem = t.tensor_type.elem_type
+    attrs = [a for a in node.attribute if a.name == "saturate"]
+    cast = helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name, to=elem)
+    cast.attribute.extend(attrs)
+    return cast
+
+
+def _itemsize(elem_type: int) -> int:
+    """Bytes per element; 8 (the widest common type) when the type is unknown or not numeric."""
+    try:
+        return helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return 8
 
 
 def _too_big(out_bytes: int, in_bytes: int) -> bool:

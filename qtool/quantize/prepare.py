@@ -2,8 +2,10 @@
 
 The quantizer needs a graph where weights are initializers (not Constant nodes or Identity aliases),
 where shape arithmetic has been folded away (so no QDQ pair lands on it), where every tensor has a
-known element type, and where 2-D MatMul+Add pairs are a single Gemm (the pattern ONNX Runtime fuses
-into QGemm). Torch exporters emit none of that directly.
+known element type, where BatchNormalization is folded into the layer before it, and where 2-D
+MatMul+Add pairs are a single Gemm (the pattern ONNX Runtime fuses into QGemm). Torch exporters emit
+none of that directly. The passes live in their own modules: fold_constants, fold_bn, fuse_gemm,
+and shapes (ONNX shape inference without the cost of serializing the weights).
 
 Why a folder of our own instead of ONNX Runtime's BASIC optimisation level (what
 `quant_pre_process` uses): ORT's level-1 pass list also rewrites the graph in ways we must control —
@@ -24,9 +26,11 @@ import onnx
 from onnx import version_converter
 
 from qtool.errors import ModelError
+from qtool.quantize.fold_bn import fold_batch_norms
 from qtool.quantize.fold_constants import fold_constants
+from qtool.quantize.fuse_gemm import fuse_matmul_add
 from qtool.quantize.graph_edit import delete_indexes, drop_where, subgraph_names
-from qtool.quantize.shapes import infer, write_inference
+from qtool.quantize.shapes import Inference, infer, write_inference
 
 __all__ = ["prepare_model", "tensor_types"]
 
@@ -40,9 +44,11 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
 
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
     into plain weights; remove Identity nodes; fold every node computable from constants (including
-    Shape/Size of tensors whose shape is static); fuse rank-2 MatMul+Add into Gemm; drop dead nodes
-    and initializers; name unnamed nodes `{op_type}_{index}`; run ONNX shape inference so every
-    tensor carries its element type. Deterministic: the same input gives byte-identical output.
+    Shape/Size of tensors whose shape is static and CastLike of a constant); fuse rank-2 MatMul+Add
+    into Gemm; fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it;
+    drop dead nodes and initializers; name unnamed nodes `{op_type}_{index}`; run ONNX shape
+    inference, seeded with the exporter's types, so every tensor carries its element type.
+    Deterministic: the same input gives byte-identical output.
 
     Raises ModelError when the opset cannot be upgraded or a tensor's element type stays unknown.
     """
@@ -53,17 +59,21 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
     _initializer_inputs_to_weights(graph)
     _remove_identities(graph)
     opsets = {o.domain: o.version for o in out.opset_import}
-    inference = infer(out)
+    inference = _infer_seeded(out)
     for _ in range(_MAX_FOLD_ROUNDS):
         changed = fold_constants(graph, opsets, inference.types())
         changed |= _remove_dead(graph)
         if not changed:
             break
-        inference = infer(out)
-    _fuse_matmul_add(graph, inference.types())
-    _remove_dead(graph)
+        inference = _infer_seeded(out)
+    # One inference serves the passes below and the output when they change nothing.
+    changed = fuse_matmul_add(graph, inference.types())
+    changed |= fold_batch_norms(graph)
+    if changed:
+        _remove_dead(graph)
+        inference = _infer_seeded(out)
     _name_nodes(graph)
-    _refresh_value_info(out)
+    write_inference(out, inference)
     _check_types_known(out)
     return out
 
@@ -205,64 +215,6 @@ def _remove_dead(graph: onnx.GraphProto) -> bool:
     return bool(dead) | bool(drop_where(graph.initializer, lambda t: t.name not in needed))
 
 
-def _fuse_matmul_add(graph: onnx.GraphProto, types: dict[str, onnx.TypeProto]) -> None:
-    """MatMul(A[M,K], W[K,N]) + Add(bias[N]) -> Gemm(A, W, bias), named like the MatMul.
-
-    Only where A has rank 2: that is the form ONNX Runtime fuses into QGemm. The 3-D MatMuls of a
-    transformer stay MatMul (ORT fuses those into QAttention/MatMulInteger instead).
-    """
-    inits = {i.name: i for i in graph.initializer}
-    graph_outputs = {o.name for o in graph.output}
-    consumers: Counter[str] = Counter(n for node in graph.node for n in node.input)
-    consumers.update(subgraph_names(graph))
-    by_output = {o: node for node in graph.node for o in node.output}
-    adds_to_drop: set[int] = set()
-    for node in graph.node:
-        if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
-            continue
-        for mm_out, bias in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
-            mm = by_output.get(mm_out)
-            if mm is None or mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx"):
-                continue
-            if mm_out in graph_outputs or consumers[mm_out] != 1:
-                continue
-            if not _gemm_compatible(mm, bias, inits, types):
-                continue
-            a, w = mm.input
-            mm.op_type = "Gemm"
-            del mm.input[:]
-            mm.input.extend([a, w, bias])
-            mm.output[0] = node.output[0]
-            adds_to_drop.add(id(node))
-            break
-    if adds_to_drop:
-        kept = [n for n in graph.node if id(n) not in adds_to_drop]
-        del graph.node[:]
-        graph.node.extend(kept)
-
-
-def _gemm_compatible(
-    mm: onnx.NodeProto,
-    bias: str,
-    inits: dict[str, onnx.TensorProto],
-    types: dict[str, onnx.TypeProto],
-) -> bool:
-    a, w = mm.input
-    if w not in inits or bias not in inits or len(inits[w].dims) != 2:
-        return False
-    a_type = types.get(a)
-    if a_type is None or not a_type.tensor_type.HasField("shape"):
-        return False
-    if len(a_type.tensor_type.shape.dim) != 2:
-        return False
-    n = int(inits[w].dims[1])
-    b = inits[bias]
-    if b.data_type != inits[w].data_type or a_type.tensor_type.elem_type != b.data_type:
-        return False
-    # Gemm's C broadcasts one way to [M, N]; a per-output-column bias is the Linear layer case.
-    return list(b.dims) in ([n], [1, n])
-
-
 def _name_nodes(graph: onnx.GraphProto) -> None:
     """Give every node a unique name; recipe overrides and reports address layers by it."""
     used = Counter(n.name for n in graph.node if n.name)
@@ -280,14 +232,28 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         seen.add(name)
 
 
-def _refresh_value_info(model: onnx.ModelProto) -> None:
-    """Recompute value_info for standard-op outputs; keep exporter types for custom-op outputs."""
+def _infer_seeded(model: onnx.ModelProto) -> Inference:
+    """Shape inference that starts from the types the exporter wrote.
+
+    ONNX inference invents a fresh symbol for every dimension it cannot derive (the batch after a
+    Reshape to [-1, S, H] becomes `unk__6`), where the exporter wrote the same symbol (`batch`)
+    for the whole residual stream. ONNX Runtime fuses Add + LayerNormalization into
+    SkipLayerNormalization only when both Add inputs have the same shape, symbols included: with
+    the invented symbols, half the fusions of a BERT encoder are lost. So the exporter's entries for
+    tensors that still exist seed inference, which keeps them where it cannot do better.
+    """
     graph = model.graph
-    custom = {o for n in graph.node if n.domain not in ("", "ai.onnx") for o in n.output}
-    keep = [vi for vi in graph.value_info if vi.name in custom]
-    del graph.value_info[:]
-    graph.value_info.extend(keep)
-    write_inference(model, infer(model))
+    produced = {o for node in graph.node for o in node.output if o}
+    produced -= {o.name for o in graph.output}
+    seen: set[str] = set()
+
+    def stale(vi: onnx.ValueInfoProto) -> bool:
+        keep = vi.name in produced and vi.name not in seen
+        seen.add(vi.name)
+        return not keep
+
+    drop_where(graph.value_info, stale)
+    return infer(model)
 
 
 def _check_types_known(model: onnx.ModelProto) -> None:

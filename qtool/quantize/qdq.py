@@ -103,12 +103,16 @@ def write_qdq_model(
         for out in node.output:
             body.extend(pairs_after.get(out, []))
 
+    # The prepared model's shapes, for tensors that still exist: without them ORT infers fresh
+    # symbols for dims after a Reshape and drops shape-checked fusions (SkipLayerNormalization).
+    produced = {out for node in body for out in node.output}
     new_graph = helper.make_graph(
         head_nodes + body,
         graph.name,
         list(graph.input),
         list(graph.output),
         initializer=new_initializers,
+        value_info=[vi for vi in graph.value_info if vi.name in produced],
     )
     quantized_model = helper.make_model(
         new_graph,

@@ -30,13 +30,14 @@ _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 class Inference:
     """What inference found for the main graph, in the order ONNX writes it."""
 
+    inputs: list[onnx.ValueInfoProto]  # the skeleton's: graph inputs and the large initializers
     value_info: list[onnx.ValueInfoProto]
     outputs: list[onnx.ValueInfoProto]
     # Nodes carrying subgraphs, by index: inference writes value_info inside their bodies too.
     subgraph_nodes: dict[int, onnx.NodeProto]
 
     def types(self) -> dict[str, onnx.TypeProto]:
-        return {vi.name: vi.type for vi in [*self.value_info, *self.outputs]}
+        return {vi.name: vi.type for vi in [*self.inputs, *self.value_info, *self.outputs]}
 
 
 def infer(model: onnx.ModelProto) -> Inference:
@@ -51,7 +52,7 @@ def infer(model: onnx.ModelProto) -> Inference:
         for i, node in enumerate(graph.node)
         if any(a.type in _GRAPH_ATTRS for a in node.attribute)
     }
-    return Inference(list(graph.value_info), list(graph.output), subgraph_nodes)
+    return Inference(list(graph.input), list(graph.value_info), list(graph.output), subgraph_nodes)
 
 
 def write_inference(model: onnx.ModelProto, inference: Inference) -> None:
@@ -61,8 +62,12 @@ def write_inference(model: onnx.ModelProto, inference: Inference) -> None:
     graph.value_info.extend(inference.value_info)
     del graph.output[:]
     graph.output.extend(inference.outputs)
-    for index, node in inference.subgraph_nodes.items():
-        graph.node[index].CopyFrom(node)
+    for index, inferred in inference.subgraph_nodes.items():
+        # Only the bodies: the node's own fields (its name) may have changed since inference.
+        bodies = {a.name: a for a in inferred.attribute if a.type in _GRAPH_ATTRS}
+        for attr in graph.node[index].attribute:
+            if attr.name in bodies:
+                attr.CopyFrom(bodies[attr.name])
 
 
 def static_shape(t: onnx.TypeProto | None) -> list[int] | None:
