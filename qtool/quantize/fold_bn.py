@@ -1,19 +1,66 @@
-"""Fold inference-mode BatchNormalization into the Conv, ConvTranspose or Gemm before it.
+"""Fold inference-mode BatchNormalization into the Conv, ConvTranspose or Gemm that feeds it.
 
-An export that leaves BatchNormalization in the graph (torch's dynamo exporter with
-`optimize=False`, many converted models) breaks ORT's QDQ fusion: DQ -> Conv -> BN -> Q is not a
-pattern ORT turns into QLinearConv, so every such Conv would run in float behind its QDQ pairs.
-Folding is exact algebra: y = (conv(x) - mean) * gamma / sqrt(var + eps) + beta is a conv with
-weights scaled per output channel and a new bias.
+Exports keep BatchNormalization when constant folding is off (TorchScript
+`do_constant_folding=False`, `training=TrainingMode.PRESERVE`; dynamo `optimize=False`). Left in,
+the quantizer places DQ -> Conv -> Q around the Conv while BatchNormalization sits between the
+Conv and its consumers, and ONNX Runtime cannot form QLinearConv: the layer is reported int8 but
+runs in float. Folding first gives the graph every other exporter writes, with per-channel
+weights quantized after the BN scale is applied (the ranges quantization actually sees).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.quantize.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_indexes
+
+__all__ = ["fold_batch_norms"]
+
 _PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm"})
+_FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+)
+
+
+def fold_batch_norms(graph: onnx.GraphProto) -> bool:
+    """Fold every foldable BatchNormalization; True when any was folded.
+
+    A BatchNormalization folds when it runs in inference mode (training_mode=0, no running-stat
+    outputs), its scale/B/mean/var are initializers, the producer's weight (and bias, if any) are
+    float initializers, and the producer's output is read by the BatchNormalization only. The
+    producer keeps its name and takes over the BatchNormalization's output tensor; rewritten
+    weights keep their names unless another node reads them too.
+    """
+    inits = {t.name: t for t in graph.initializer}
+    consumers = consumer_counts(graph)
+    graph_outputs = {o.name for o in graph.output}
+    producers = {o: node for node in graph.node for o in node.output if o}
+    used = set(inits) | set(producers) | {i.name for i in graph.input}
+    folded: list[int] = []
+    for index, bn in enumerate(graph.node):
+        if bn.op_type != "BatchNormalization" or bn.domain not in STANDARD_DOMAINS:
+            continue
+        producer = producers.get(bn.input[0])
+        if producer is None or not _foldable(bn, producer, inits, consumers, graph_outputs):
+            continue
+        params = _bn_params(bn, inits)
+        if producer.op_type == "Gemm":
+            result = _fold_gemm(producer, params, inits)
+        else:
+            result = _fold_conv(producer, params, inits)
+        if result is None:
+            continue
+        weight, bias = result
+        _store(graph, producer, 1, weight, consumers, inits, used, fallback=None)
+        _store(graph, producer, 2, bias, consumers, inits, used, fallback=bn.input[2])
+        producer.output[0] = bn.output[0]
+        folded.append(index)
+    delete_indexes(graph.node, folded)
+    return bool(folded)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -23,112 +70,137 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default
 
 
-def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.append(helper.make_attribute(name, value))
-
-
-def _scaled_weight(producer: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The weight with output channel c multiplied by scale[c], in the producer's layout."""
-    if producer.op_type == "Conv":
-        return weight * scale.reshape([-1] + [1] * (weight.ndim - 1))
-    if producer.op_type == "ConvTranspose":  # [C_in, C_out / group, *kernel]
-        group = int(_attr(producer, "group", 1))
-        c_in, per_group = weight.shape[0], weight.shape[1]
-        grouped = weight.reshape(group, c_in // group, per_group, *weight.shape[2:])
-        factors = scale.reshape(group, 1, per_group, *([1] * (weight.ndim - 2)))
-        return (grouped * factors).reshape(weight.shape)
-    if _attr(producer, "transB", 0):  # Gemm, weight [N, K]
-        return weight * scale[:, None]
-    return weight * scale[None, :]  # Gemm, weight [K, N]
-
-
 def _foldable(
     bn: onnx.NodeProto,
-    producer: onnx.NodeProto | None,
-    consumers: dict[str, int],
-    constants: dict[str, onnx.TensorProto],
+    producer: onnx.NodeProto,
+    inits: dict[str, onnx.TensorProto],
+    consumers: Counter[str],
     graph_outputs: set[str],
 ) -> bool:
-    if bn.domain not in ("", "ai.onnx") or len(bn.output) != 1 or len(bn.input) != 5:
+    if _attr(bn, "training_mode", 0) != 0 or any(bn.output[1:]):
+        return False  # training mode normalises with batch statistics: nothing constant to fold
+    if len(bn.input) != 5 or any(name not in inits for name in bn.input[1:]):
         return False
-    if _attr(bn, "training_mode", 0):
+    if producer.op_type not in _PRODUCERS or producer.domain not in STANDARD_DOMAINS:
         return False
-    if (
-        producer is None
-        or producer.op_type not in _PRODUCERS
-        or producer.domain not in ("", "ai.onnx")
-    ):
-        return False
-    tensor = bn.input[0]
-    if consumers.get(tensor, 0) != 1 or tensor in graph_outputs:
-        return False
-    if any(name not in constants for name in bn.input[1:]):
+    x = bn.input[0]
+    if consumers[x] != 1 or x in graph_outputs or len(producer.output) != 1:
         return False
     weight = producer.input[1] if len(producer.input) > 1 else ""
     bias = producer.input[2] if len(producer.input) > 2 else ""
-    if weight not in constants or (bias and bias not in constants):
+    if weight not in inits or inits[weight].data_type not in _FLOAT_TYPES:
         return False
-    if constants[weight].data_type != onnx.TensorProto.FLOAT:
-        return False
-    if producer.op_type == "Gemm" and _attr(producer, "transA", 0):
-        return False
-    return True
+    return not bias or (bias in inits and inits[bias].data_type == inits[weight].data_type)
 
 
-def fold_batch_norms(graph: onnx.GraphProto) -> int:
-    """Fold every foldable BatchNormalization; returns how many were folded.
+def _bn_params(bn: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple:
+    """(multiplier, offset) in float64: y = x * multiplier + offset per channel."""
+    scale, b, mean, var = (
+        numpy_helper.to_array(inits[n]).astype(np.float64).reshape(-1) for n in bn.input[1:]
+    )
+    multiplier = scale / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
+    return multiplier, b - mean * multiplier
 
-    New weight and bias initializers get new names (`{weight}_bn_folded`), so a weight shared with
-    another node is never changed under it.
+
+def _fold_conv(
+    node: onnx.NodeProto, params: tuple, inits: dict[str, onnx.TensorProto]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    multiplier, offset = params
+    w = numpy_helper.to_array(inits[node.input[1]])
+    channels = multiplier.shape[0]
+    if w.ndim < 2:
+        return None
+    if node.op_type == "Conv":
+        if w.shape[0] != channels:
+            return None
+        w64 = w.astype(np.float64) * multiplier.reshape((channels,) + (1,) * (w.ndim - 1))
+    else:  # ConvTranspose: W is [C_in, C_out / group, k...], output channel g * C_out/g + j
+        group = int(_attr(node, "group", 1))
+        per_group = w.shape[1]
+        if group * per_group != channels or w.shape[0] % group:
+            return None
+        grouped = w.astype(np.float64).reshape((group, w.shape[0] // group, *w.shape[1:]))
+        m = multiplier.reshape((group, 1, per_group) + (1,) * (w.ndim - 2))
+        w64 = (grouped * m).reshape(w.shape)
+    bias = _bias(node, inits, channels)
+    if bias is None:
+        return None
+    return w64.astype(w.dtype), (bias * multiplier + offset).astype(w.dtype)
+
+
+def _fold_gemm(
+    node: onnx.NodeProto, params: tuple, inits: dict[str, onnx.TensorProto]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Y = alpha * A' B' + beta * C with BN over Y's columns: scale B's output columns."""
+    multiplier, offset = params
+    w = numpy_helper.to_array(inits[node.input[1]])
+    trans_b = int(_attr(node, "transB", 0))
+    if w.ndim != 2 or w.shape[0 if trans_b else 1] != multiplier.shape[0]:
+        return None
+    m = multiplier[:, None] if trans_b else multiplier[None, :]
+    c = _bias(node, inits, multiplier.shape[0])
+    if c is None:
+        return None
+    beta = float(_attr(node, "beta", 1.0))
+    _set_float_attr(node, "beta", 1.0)
+    return (w.astype(np.float64) * m).astype(w.dtype), ((c * beta) * multiplier + offset).astype(
+        w.dtype
+    )
+
+
+def _bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], channels: int):
+    """The producer's bias in float64 (zeros when absent); None if it is not per-channel."""
+    if len(node.input) < 3 or not node.input[2]:
+        return np.zeros(channels)
+    bias = numpy_helper.to_array(inits[node.input[2]]).astype(np.float64)
+    if node.op_type == "Gemm":
+        # C broadcasts to [M, N]; any form that broadcasts against the channel vector folds.
+        if bias.ndim > 2 or (bias.ndim >= 1 and bias.shape[-1] not in (1, channels)):
+            return None
+        return bias
+    return bias if bias.shape == (channels,) else None
+
+
+def _set_float_attr(node: onnx.NodeProto, name: str, value: float) -> None:
+    for attr in node.attribute:
+        if attr.name == name:
+            attr.f = value
+            return
+
+
+def _store(
+    graph: onnx.GraphProto,
+    node: onnx.NodeProto,
+    slot: int,
+    value: np.ndarray,
+    consumers: Counter[str],
+    inits: dict[str, onnx.TensorProto],
+    used: set[str],
+    fallback: str | None,
+) -> None:
+    """Write `value` as input `slot` of `node`, reusing a tensor name nothing else reads.
+
+    The old tensor's name when only `node` reads it; else `fallback` (the BN's bias, which goes
+    away with the BN) when only the BN reads it; else a new unique name.
     """
-    constants = {t.name: t for t in graph.initializer}
-    producers = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers[name] = consumers.get(name, 0) + 1
-    graph_outputs = {o.name for o in graph.output}
-    removed: set[int] = set()
-    for bn in graph.node:
-        if bn.op_type != "BatchNormalization":
-            continue
-        producer = producers.get(bn.input[0])
-        if not _foldable(bn, producer, consumers, constants, graph_outputs):
-            continue
-        gamma, beta, mean, var = (
-            numpy_helper.to_array(constants[n]).astype(np.float64) for n in bn.input[1:]
-        )
-        epsilon = float(_attr(bn, "epsilon", 1e-5))
-        scale = gamma / np.sqrt(var + epsilon)
-        weight_name = producer.input[1]
-        weight = numpy_helper.to_array(constants[weight_name]).astype(np.float64)
-        channels = scale.shape[0]
-        bias = np.zeros(channels)
-        if len(producer.input) > 2 and producer.input[2]:
-            bias = np.broadcast_to(
-                numpy_helper.to_array(constants[producer.input[2]]).astype(np.float64).reshape(-1),
-                (channels,),
-            )
-            if producer.op_type == "Gemm":
-                bias = bias * float(_attr(producer, "beta", 1.0))
-        new_weight = _scaled_weight(producer, weight, scale).astype(np.float32)
-        new_bias = ((bias - mean) * scale + beta).astype(np.float32)
-        w_name, b_name = f"{weight_name}_bn_folded", f"{bn.output[0]}_bias_bn_folded"
-        graph.initializer.extend(
-            [numpy_helper.from_array(new_weight, w_name), numpy_helper.from_array(new_bias, b_name)]
-        )
-        inputs = [producer.input[0], w_name, b_name]
-        del producer.input[:]
-        producer.input.extend(inputs)
-        if producer.op_type == "Gemm":
-            _set_attr(producer, "beta", 1.0)
-        producer.output[0] = bn.output[0]
-        removed.add(id(bn))
-    if removed:
-        kept = [node for node in graph.node if id(node) not in removed]
-        del graph.node[:]
-        graph.node.extend(kept)
-    return len(removed)
+    old = node.input[slot] if len(node.input) > slot else ""
+    for name in (old, fallback):
+        if name and consumers[name] == 1:
+            inits[name].CopyFrom(numpy_helper.from_array(value, name))
+            break
+    else:
+        name = _unique(f"{old or node.output[0]}_bn_folded", used)
+        used.add(name)
+        graph.initializer.append(numpy_helper.from_array(value, name))
+        inits[name] = graph.initializer[-1]
+    while len(node.input) <= slot:
+        node.input.append("")
+    node.input[slot] = name
+
+
+def _unique(base: str, used: set[str]) -> str:
+    name, k = base, 0
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    return name
