@@ -33,6 +33,7 @@ def _bn_model(op: str, weight: np.ndarray, x_shape: list[int], bias: bool, **att
         "Conv": weight.shape[0],
         "ConvTranspose": weight.shape[1] * attrs.get("group", 1),
         "Gemm": weight.shape[0] if attrs.get("transB") else weight.shape[1],
+        "MatMul": weight.shape[1],
     }[op]
     inits = [numpy_helper.from_array(weight.astype(np.float32), "w")]
     inputs = ["x", "w"]
@@ -78,6 +79,8 @@ CASES = {
     ),
     "gemm": ("Gemm", _RNG.standard_normal((16, 8)), [4, 16], {"alpha": 0.5, "beta": 2.0}),
     "gemm-transB": ("Gemm", _RNG.standard_normal((8, 16)), [4, 16], {"transB": 1}),
+    # A bias-free Linear + BatchNorm1d: even the default TorchScript export keeps this BN.
+    "matmul": ("MatMul", _RNG.standard_normal((16, 8)), [4, 16], {"bias": False}),
 }
 
 
@@ -89,7 +92,8 @@ def test_folding_is_exact_and_removes_every_batch_norm(case: str) -> None:
     model = _bn_model(op, weight, x_shape, bias, **attrs)
     prepared = prepare_model(model)
     assert not any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
-    assert [n.op_type for n in prepared.graph.node] == [op]
+    assert [n.op_type for n in prepared.graph.node] == ["Gemm" if op == "MatMul" else op]
+    assert prepared.graph.node[0].name == "producer"
     x = np.random.default_rng(2).standard_normal(x_shape).astype(np.float32)
     np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-4, atol=1e-4)
 
@@ -99,6 +103,32 @@ def test_batch_norm_after_a_shared_output_is_left_alone() -> None:
     model.graph.output.append(helper.make_tensor_value_info("y0", TensorProto.FLOAT, None))
     prepared = prepare_model(model)
     assert any(n.op_type == "BatchNormalization" for n in prepared.graph.node)
+
+
+def test_batch_norm_after_a_3d_matmul_is_left_alone() -> None:
+    # [B, C, K] @ [K, N] normalises the last axis; BatchNormalization normalises axis 1. With
+    # C == N the shapes would line up, the math would not.
+    model = _bn_model("MatMul", np.ones((6, 4)), [2, 4, 6], False)
+    prepared = prepare_model(model)
+    assert [n.op_type for n in prepared.graph.node] == ["MatMul", "BatchNormalization"]
+
+
+def test_chained_batch_norms_fold_into_one_conv() -> None:
+    model = _bn_model("Conv", _RNG.standard_normal((4, 3, 3, 3)), [1, 3, 6, 6], False)
+    rng = np.random.default_rng(4)
+    second = {"g2": rng.uniform(0.5, 2.0, 4), "b2": rng.standard_normal(4)}
+    second |= {"m2": rng.standard_normal(4), "v2": rng.uniform(0.1, 2.0, 4)}
+    model.graph.initializer.extend(
+        numpy_helper.from_array(v.astype(np.float32), k) for k, v in second.items()
+    )
+    model.graph.node[1].output[0] = "y1"
+    model.graph.node.append(
+        helper.make_node("BatchNormalization", ["y1", "g2", "b2", "m2", "v2"], ["y"])
+    )
+    prepared = prepare_model(model)
+    assert [n.op_type for n in prepared.graph.node] == ["Conv"]
+    x = np.random.default_rng(5).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    np.testing.assert_allclose(_run(prepared, x), _run(model, x), rtol=1e-4, atol=1e-4)
 
 
 BN_LEFT_SOURCE = textwrap.dedent(
@@ -162,3 +192,49 @@ def test_bn_left_export_quantizes_into_fused_convs(tmp_path) -> None:
     float_model = onnx.load(str(recipe.float_model_path))
     np.testing.assert_allclose(_run(float_model, x), expected, rtol=1e-4, atol=1e-4)
 
+
+BN1D_SOURCE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def make_model():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4),
+        )
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+        return model.eval()
+    """
+)
+
+
+def test_default_torch_export_of_linear_batchnorm1d_quantizes_into_qgemm(tmp_path) -> None:
+    """qtool's own TorchScript export (constant folding on) keeps MatMul -> BatchNormalization."""
+    from qtool.models import load_model
+    from qtool.pipeline import quantize
+    from qtool.recipe import load_recipe
+
+    (tmp_path / "model.py").write_text(BN1D_SOURCE)
+    (tmp_path / "recipe.yaml").write_text(
+        "model: {pytorch: model.py:make_model}\ninputs: {x: [1, 16]}\n"
+        "calibration: {data: {synthetic: true, samples: 16}, method: minmax}\n"
+        "quantization: {op_types: [Gemm, MatMul]}\noutput: {dir: out}\n"
+    )
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    exported = load_model(recipe.model, recipe.inputs)
+    assert [n.op_type for n in exported.graph.node][:2] == ["MatMul", "BatchNormalization"]
+    result = quantize(recipe, progress=False)
+    nodes = result.report["nodes"]
+    assert not any(n["op_type"] == "BatchNormalization" for n in nodes)
+    gemms = [n for n in nodes if n["op_type"] == "Gemm"]
+    assert len(gemms) == 2 and all(n["precision"] == "int8" for n in gemms)
+    assert all(n["runtime"]["runs_as"] == "QGemm" for n in gemms), gemms
+    x = np.random.default_rng(6).standard_normal((5, 16)).astype(np.float32)
+    namespace: dict = {}
+    exec(BN1D_SOURCE, namespace)  # noqa: S102 - the model source the test defines above
+    with torch.no_grad():
+        expected = namespace["make_model"]()(torch.from_numpy(x)).numpy()
+    float_model = onnx.load(str(recipe.float_model_path))
+    np.testing.assert_allclose(_run(float_model, x), expected, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,10 @@ the quantizer places DQ -> Conv -> Q around the Conv while BatchNormalization si
 Conv and its consumers, and ONNX Runtime cannot form QLinearConv: the layer is reported int8 but
 runs in float. Folding first gives the graph every other exporter writes, with per-channel
 weights quantized after the BN scale is applied (the ranges quantization actually sees).
+
+Even the default TorchScript export (constant folding on) keeps BatchNorm1d after a bias-free
+Linear: a rank-2 MatMul with a constant weight, followed by BatchNormalization. That pair folds
+into a Gemm with the BN's shift as its bias, the form ORT fuses into QGemm.
 """
 
 from __future__ import annotations
@@ -20,20 +24,23 @@ from qtool.quantize.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_
 
 __all__ = ["fold_batch_norms"]
 
-_PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm"})
+_PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 _FLOAT_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 )
 
 
-def fold_batch_norms(graph: onnx.GraphProto) -> bool:
+def fold_batch_norms(
+    graph: onnx.GraphProto, types: dict[str, onnx.TypeProto] | None = None
+) -> bool:
     """Fold every foldable BatchNormalization; True when any was folded.
 
     A BatchNormalization folds when it runs in inference mode (training_mode=0, no running-stat
     outputs), its scale/B/mean/var are initializers, the producer's weight (and bias, if any) are
     float initializers, and the producer's output is read by the BatchNormalization only. The
     producer keeps its name and takes over the BatchNormalization's output tensor; rewritten
-    weights keep their names unless another node reads them too.
+    weights keep their names unless another node reads them too. A MatMul folds (becoming a Gemm)
+    only where `types` (shape inference of `graph`) says its first input has rank 2.
     """
     inits = {t.name: t for t in graph.initializer}
     consumers = consumer_counts(graph)
@@ -47,8 +54,10 @@ def fold_batch_norms(graph: onnx.GraphProto) -> bool:
         producer = producers.get(bn.input[0])
         if producer is None or not _foldable(bn, producer, inits, consumers, graph_outputs):
             continue
+        if producer.op_type == "MatMul" and not _rank2_matmul(producer, inits, types or {}):
+            continue
         params = _bn_params(bn, inits)
-        if producer.op_type == "Gemm":
+        if producer.op_type in ("Gemm", "MatMul"):
             result = _fold_gemm(producer, params, inits)
         else:
             result = _fold_conv(producer, params, inits)
@@ -57,7 +66,10 @@ def fold_batch_norms(graph: onnx.GraphProto) -> bool:
         weight, bias = result
         _store(graph, producer, 1, weight, consumers, inits, used, fallback=None)
         _store(graph, producer, 2, bias, consumers, inits, used, fallback=bn.input[2])
+        if producer.op_type == "MatMul":
+            producer.op_type = "Gemm"  # MatMul(A[M,K], W[K,N]) + C[N]: Gemm's defaults
         producer.output[0] = bn.output[0]
+        producers[bn.output[0]] = producer  # a BatchNormalization right after folds too
         folded.append(index)
     delete_indexes(graph.node, folded)
     return bool(folded)
@@ -91,6 +103,21 @@ def _foldable(
     if weight not in inits or inits[weight].data_type not in _FLOAT_TYPES:
         return False
     return not bias or (bias in inits and inits[bias].data_type == inits[weight].data_type)
+
+
+def _rank2_matmul(
+    node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], types: dict[str, onnx.TypeProto]
+) -> bool:
+    """MatMul(A, W) with A of rank 2 and W a 2-D initializer: a Gemm without bias."""
+    if len(node.input) != 2 or len(inits[node.input[1]].dims) != 2:
+        return False
+    t = types.get(node.input[0])
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.HasField("shape"):
+        return False
+    return (
+        len(t.tensor_type.shape.dim) == 2
+        and t.tensor_type.elem_type == inits[node.input[1]].data_type
+    )
 
 
 def _bn_params(bn: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple:

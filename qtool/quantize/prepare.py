@@ -45,7 +45,8 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
     into plain weights; remove Identity nodes; fold every node computable from constants (including
     Shape/Size of tensors whose shape is static and CastLike of a constant); fuse rank-2 MatMul+Add
-    into Gemm; fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it;
+    into Gemm; fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it
+    (and into a rank-2 MatMul, which becomes a Gemm);
     drop dead nodes and initializers; name unnamed nodes `{op_type}_{index}`; run ONNX shape
     inference, seeded with the exporter's types, so every tensor carries its element type.
     Deterministic: the same input gives byte-identical output.
@@ -68,7 +69,7 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
         inference = _infer_seeded(out)
     # One inference serves the passes below and the output when they change nothing.
     changed = fuse_matmul_add(graph, inference.types())
-    changed |= fold_batch_norms(graph)
+    changed |= fold_batch_norms(graph, inference.types())
     if changed:
         _remove_dead(graph)
         inference = _infer_seeded(out)
