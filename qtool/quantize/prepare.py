@@ -68,8 +68,9 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
             break
         inference = _infer_seeded(out)
     # One inference serves the passes below and the output when they change nothing.
-    changed = fuse_matmul_add(graph, inference.types())
-    changed |= fold_batch_norms(graph, inference.types())
+    types = inference.types()
+    changed = fuse_matmul_add(graph, types)
+    changed |= fold_batch_norms(graph, types)
     if changed:
         _remove_dead(graph)
         inference = _infer_seeded(out)
