@@ -115,6 +115,8 @@ def quantize(
         + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
         highlight=False,
     )
+    for group, entry in result.report["low_bit"].items():
+        console.print(f"{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False)
     for warning in result.warnings:
         errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
@@ -182,6 +184,16 @@ def evaluate(
     ] = False,
     latency_runs: Annotated[int, typer.Option("--latency-runs", min=1)] = 50,
     threads: Annotated[int | None, typer.Option("--threads", min=1)] = None,
+    accuracy_level: Annotated[
+        int | None,
+        typer.Option(
+            "--accuracy-level",
+            min=0,
+            max=4,
+            help="MatMulNBits compute for 4-bit MatMuls: 1 fp32, 2 fp16, 3 bf16, 4 int8 "
+            "(ORT's default). Overrides evaluation.accuracy_level.",
+        ),
+    ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
@@ -193,7 +205,7 @@ def evaluate(
     nothing there.
     """
     from qtool.errors import RecipeError
-    from qtool.evaluate import render_table
+    from qtool.evaluate import low_bit_notes, render_table
     from qtool.gates import Gates, judge_gates, junit_xml
     from qtool.io import atomic_write_bytes, atomic_write_text
     from qtool.pipeline import evaluate as run_evaluate
@@ -244,9 +256,12 @@ def evaluate(
         threads=threads,
         latency_runs=latency_runs,
         progress=progress,
+        accuracy_level=choose("accuracy_level", accuracy_level)[0],
     )
     judged = judge_gates(result, gates)
     console.print(render_table(result))
+    for note in low_bit_notes(result):
+        console.print(note, highlight=False)
     for warning in result.warnings:
         errors.print(
             f"[bold yellow]warning:[/] {escape(warning.message)}", highlight=False, soft_wrap=True

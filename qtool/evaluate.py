@@ -35,6 +35,13 @@ from qtool import provenance
 from qtool.errors import DataError, ModelError
 from qtool.ort_session import create_session
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
+from qtool.runtime.low_bit import (
+    ACCURACY_LEVEL_KEY,
+    ACCURACY_LEVELS,
+    ORT_DEFAULT_ACCURACY_LEVEL,
+    LowBitUsage,
+    low_bit_usage,
+)
 
 if TYPE_CHECKING:
     from qtool.gates import GateResult
@@ -129,6 +136,17 @@ class EvalResult:
     cpu: CpuFeatures | None = None
     fp32_path: Path | None = None
     quant_path: Path | None = None
+    # What runs the 4-bit / blocked weights, and MatMulNBits' accuracy level (None: ORT default).
+    low_bit: LowBitUsage | None = None
+    accuracy_level: int | None = None
+
+    def accuracy_level_note(self) -> str | None:
+        """Which MatMulNBits compute the fused numbers came from, when MatMulNBits ran."""
+        if self.low_bit is None or not self.low_bit.kernels.get("MatMulNBits"):
+            return None
+        level = ORT_DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
+        source = "ORT's default" if self.accuracy_level is None else "set by the recipe/CLI"
+        return f"MatMulNBits accuracy level {level}: {ACCURACY_LEVELS[level]} ({source})"
 
     @property
     def has_labels(self) -> bool:
@@ -216,6 +234,8 @@ class EvalResult:
             },
             "cpu": None if self.cpu is None else self.cpu.to_dict(),
             "provenance": self.provenance,
+            "low_bit": None if self.low_bit is None else self.low_bit.to_dict(),
+            "matmul_nbits_accuracy_level": self.accuracy_level_note(),
         }
 
 
@@ -570,6 +590,7 @@ def evaluate_models(
     latency_runs: int = 50,
     progress: bool = True,
     cpu: CpuFeatures | None = None,
+    accuracy_level: int | None = None,
 ) -> EvalResult:
     """Run FP32 once and the quantized model fused and unfused over `batches`; compare outputs.
 
@@ -578,6 +599,7 @@ def evaluate_models(
     gated output; default the first). `output_where` and `labels_required_by` name the option or
     recipe key behind them in error messages (`labels_required_by` set: data without labels is an
     error). `cpu` (default: this machine) decides the cause named when fused trails unfused.
+    `accuracy_level` sets MatMulNBits' compute type for the fused session (None: ORT's default).
     """
     if latency_runs < 1:
         raise ValueError(f"latency_runs must be >= 1, got {latency_runs}")
@@ -587,8 +609,10 @@ def evaluate_models(
     sizes = (_model_bytes(fp32_path, fp32_proto), _model_bytes(quant_path, quant_proto))
     del fp32_proto, quant_proto
     ref_session = create_session(fp32_path, threads=threads)
+    config = {} if accuracy_level is None else {ACCURACY_LEVEL_KEY: str(accuracy_level)}
+    low_bit = low_bit_usage(quant_path, config)
     sessions = {
-        "fused": create_session(quant_path, threads=threads, optimize=True),
+        "fused": create_session(quant_path, threads=threads, optimize=True, config=config),
         "unfused": create_session(quant_path, threads=threads, optimize=False),
     }
     ref_specs = _input_specs(ref_session, fp32_path)
@@ -689,6 +713,8 @@ def evaluate_models(
         cpu=cpu,
         fp32_path=fp32_path,
         quant_path=quant_path,
+        low_bit=low_bit,
+        accuracy_level=accuracy_level,
     )
 
 
@@ -804,4 +830,18 @@ def render_table(result: EvalResult) -> Table:
         _size(result.quant.file_bytes),
         f"{_ratio(result.fp32.file_bytes, result.quant.file_bytes)} smaller",
     )
+    if result.low_bit is not None and result.low_bit.total:
+        table.add_row("", "low-bit weights", "-", result.low_bit.brief(), "-", "")
     return table
+
+
+def low_bit_notes(result: EvalResult) -> list[str]:
+    """The lines under the table that say what the 4-bit weights run on, and at which accuracy
+    level, so a smaller file is never read as a faster model."""
+    if result.low_bit is None or not result.low_bit.total:
+        return []
+    notes = [f"low-bit weights: {result.low_bit.describe()}"]
+    level = result.accuracy_level_note()
+    if level is not None:
+        notes.append(level)
+    return notes

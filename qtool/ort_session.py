@@ -76,6 +76,7 @@ def create_session(
     threads: int | None = None,
     optimize: bool = True,
     providers: list[str] | None = None,
+    config: dict[str, str] | None = None,
 ) -> onnxruntime.InferenceSession:
     """Create an inference session with qtool's deterministic settings.
 
@@ -92,6 +93,8 @@ def create_session(
         model = str(path)
     requested = _resolve_providers(providers)
     options = _session_options(threads, optimize)
+    for key, value in sorted((config or {}).items()):  # e.g. MatMulNBits' accuracy level
+        options.add_session_config_entry(key, value)
     try:
         session = onnxruntime.InferenceSession(model, sess_options=options, providers=requested)
     except Exception as exc:  # ORT raises several private exception types for a bad model.

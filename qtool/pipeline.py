@@ -29,6 +29,7 @@ from qtool.models import load_model
 from qtool.ort_session import create_session
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
+from qtool.quantize.opset21 import TARGET_OPSET
 from qtool.quantize.prepare import prepare_model, tensor_types
 from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
@@ -72,11 +73,16 @@ def _source_sha256(recipe: Recipe) -> str:
 
 def prepare(recipe: Recipe) -> PreparedModel:
     """Load, export if needed, prepare, and plan the QDQ layout (nothing is written yet)."""
-    model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=recipe.model.opset)
+    min_opset = recipe.model.opset
+    if recipe.quantization.may_need_opset21:
+        min_opset = max(min_opset, TARGET_OPSET)
+    model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=min_opset)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
-    layout = plan_layout(model, recipe.quantization, float_tensors, recipe.calibration.method)
+    layout = plan_layout(
+        model, recipe.quantization, float_tensors, recipe.calibration.method, str(recipe.path)
+    )
     if not layout.quantized_nodes():
         raise ModelError(
             f"{recipe.path}: no node can be quantized with quantization.op_types "
@@ -117,6 +123,10 @@ def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) ->
     """Stream the calibration set through the model; write and return the statistics."""
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
+    if not tensors:  # weight-only round-to-nearest: nothing to observe, no data to read
+        save_stats(recipe.stats_path, [], prepared.fingerprint, spec.bins, None)
+        atomic_write_bytes(recipe.float_model_path, prepared.serialized)
+        return []
     fingerprint = _DataFingerprint()
     batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed)
     stats = collect_statistics(
@@ -162,7 +172,9 @@ def quantize(
     activations = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
     weights = weight_parameters(model, layout, recipe.quantization, cpu, device)
     biases = bias_parameters(model, layout, activations, weights)
-    quantized = write_qdq_model(model, layout, activations, weights, biases)
+    quantized = write_qdq_model(
+        model, layout, activations, weights, biases, recipe.quantization.target
+    )
     provenance.stamp(
         quantized,
         {
@@ -178,7 +190,9 @@ def quantize(
         create_session(serialized)
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
-    verification = verify(serialized, layout.plan, _verify_feeds(recipe), cpu)
+    verification = verify(
+        serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+    )
     atomic_write_bytes(recipe.quant_model_path, serialized)
     atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     node_inputs = {node.name: list(node.input) for node in model.graph.node}

@@ -12,12 +12,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-PRECISIONS = ("int8", "float")
+PRECISIONS = ("int4", "int8", "float")
+ACTIVATIONS = ("int8", "float")
 
 # Why a node has its precision; the report groups by these.
 SOURCES = (
     "default",  # the recipe's op_types select it and nothing stops it
     "excluded",  # quantization.exclude names it
+    "override",  # a quantization.overrides entry set it
     "unsupported",  # qtool cannot quantize it (op type, constant inputs, attributes)
     "not-listed",  # a quantizable op type the recipe did not list
     "folded",  # a Relu/Clip folded into the preceding QuantizeLinear
@@ -31,15 +33,25 @@ class WeightPlan:
 
     `format` is "s8" (int8, full range), "s8-pairsafe" (int8 with per-channel scales just large
     enough that no pair of products overflows a 16-bit sum), "s7" (7-bit values in int8) or "u8"
-    (uint8 with zero point 128, which ORT runs with its U8U8 kernels).
+    (uint8 with zero point 128, which ORT runs with its U8U8 kernels); weight-only and 4-bit
+    weights are "s4"/"u4"/"s8"/"u8" by bits and symmetry (nothing multiplies them as integers
+    against uint8 activations, so no pair can saturate).
+
+    `axis` is DequantizeLinear's: the output-channel axis for per-channel weights, the blocked
+    (reduction) axis for blocks. `transposed` marks a Gemm transB weight stored as [K, N] (and
+    the Gemm rewritten to transB=0) because only that layout fuses into MatMulNBits.
     """
 
     tensor: str
     bits: int = 8
-    granularity: str = "per-channel"  # or "per-tensor"
+    granularity: str = "per-channel"  # or "per-tensor", "block"
     axis: int | None = 0
     format: str = "s8"
     reason: str = "default: int8 symmetric, full range"
+    block_size: int | None = None
+    method: str = "minmax"  # scale search: minmax (round to nearest), mse, gptq
+    symmetric: bool = True
+    transposed: bool = False
     # Filled when the weight format stage runs: channels whose scale it had to widen, and by how
     # much resolution (log2 of the largest scale ratio) that cost.
     channels_changed: int = 0
@@ -55,6 +67,9 @@ class NodePlan:
     reason: str
     activation_method: str | None = None
     weight: WeightPlan | None = None
+    # "int8": the node's float inputs get Q/DQ pairs; "float": weight-only (the weight is stored
+    # quantized, the activations stay float).
+    activations: str = "int8"
     # What ONNX Runtime does with the node, recorded by the verify stage (fusion.NodeRuntime).
     runtime: dict | None = None
 
@@ -70,6 +85,8 @@ class NodePlan:
             "source": self.source,
             "reason": self.reason,
         }
+        if self.quantized:
+            entry["activations"] = self.activations
         if self.activation_method is not None:
             entry["activation_method"] = self.activation_method
         if self.weight is not None:
@@ -90,6 +107,8 @@ class Plan:
             raise ValueError(
                 f"node {node.name!r}: precision {node.precision!r} is not one of {PRECISIONS}"
             )
+        if node.activations not in ACTIVATIONS:
+            raise ValueError(f"node {node.name!r}: activations {node.activations!r}")
         if node.source not in SOURCES:
             raise ValueError(f"node {node.name!r}: source {node.source!r} not in {SOURCES}")
         self.nodes[node.name] = node

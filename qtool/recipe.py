@@ -30,7 +30,14 @@ SUPPORTED_OP_TYPES = (
     "Concat",
     "GlobalAveragePool",
     "AveragePool",
+    "Gather",
 )
+# Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
+PRECISIONS = ("int4", "int8", "float")
+ACTIVATION_PRECISIONS = ("int8", "float")
+WEIGHT_GRANULARITIES = ("per-channel", "per-tensor", "block")
+WEIGHT_METHODS = ("minmax", "mse", "gptq")
+BLOCK_SIZES = (16, 32, 64, 128)
 # quantization.saturation: what to do where ORT's uint8 x int8 kernels saturate (weight_format.py).
 SATURATION_POLICIES = ("auto", "pair-safe", "reduce-range", "uint8-weights", "ignore")
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
@@ -103,15 +110,89 @@ class CalibrationSpec:
 
 
 @dataclass(frozen=True)
+class WeightSettings:
+    """How weights are stored; None means "not set here" so that overrides layer cleanly.
+
+    Unset fields resolve by bits (`resolved`): 4-bit weights default to blocks of 32 along the
+    reduction axis (the layout ORT fuses into MatMulNBits), 8-bit ones to one scale per output
+    channel; both default to symmetric round-to-nearest (`minmax`).
+    """
+
+    bits: int | None = None
+    granularity: str | None = None
+    block_size: int | None = None
+    method: str | None = None
+    symmetric: bool | None = None
+
+    def layered(self, top: WeightSettings) -> WeightSettings:
+        """These settings with every field `top` sets replaced by `top`'s."""
+        merged = {
+            key: getattr(top, key) if getattr(top, key) is not None else getattr(self, key)
+            for key in ("bits", "granularity", "block_size", "method", "symmetric")
+        }
+        return WeightSettings(**merged)
+
+    def resolved(self) -> WeightSettings:
+        bits = 8 if self.bits is None else self.bits
+        granularity = self.granularity or (
+            "block" if bits == 4 or self.block_size is not None else "per-channel"
+        )
+        return WeightSettings(
+            bits=bits,
+            granularity=granularity,
+            block_size=(self.block_size or 32) if granularity == "block" else None,
+            method=self.method or "minmax",
+            symmetric=True if self.symmetric is None else self.symmetric,
+        )
+
+
+@dataclass(frozen=True)
+class Override:
+    """One `quantization.overrides` entry: which nodes (name globs and/or op types), and what.
+
+    Entries apply in order after the defaults, each setting only the fields it names; `where`
+    is the entry's key path, for errors (a pattern that matches no node names it).
+    """
+
+    where: str
+    nodes: tuple[str, ...] = ()
+    op_types: tuple[str, ...] = ()
+    precision: str | None = None
+    weights: WeightSettings = field(default_factory=WeightSettings)
+    activations: str | None = None
+
+
+@dataclass(frozen=True)
 class QuantizationSpec:
     target: str = "ort-cpu"
-    per_channel: bool = True
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     exclude: tuple[str, ...] = ()
     # The CPU the model will run on ("auto": this machine) and what to do where ORT's uint8 x int8
     # kernels would saturate there (see qtool/quantize/weight_format.py).
     cpu: str = "auto"
     saturation: str = "auto"
+    # Defaults for every node, then the overrides in order (qtool/quantize/node_settings.py).
+    weights: WeightSettings = field(default_factory=WeightSettings)
+    # None: int8 for int8 nodes, float (weight-only) for int4 nodes.
+    activations: str | None = None
+    overrides: tuple[Override, ...] = ()
+
+    @property
+    def per_channel(self) -> bool:
+        return self.weights.resolved().granularity != "per-tensor"
+
+    @property
+    def may_need_opset21(self) -> bool:
+        """Blocked or 4-bit weights anywhere: DequantizeLinear with block_size / int4 types."""
+        settings = [self.weights] + [o.weights for o in self.overrides]
+        return any(s.bits == 4 or s.granularity == "block" for s in settings) or any(
+            o.precision == "int4" for o in self.overrides
+        )
+
+    @property
+    def uses_int4(self) -> bool:
+        settings = [self.weights] + [o.weights for o in self.overrides]
+        return any(s.bits == 4 for s in settings)
 
     @property
     def symmetric_activations(self) -> bool:
@@ -134,6 +215,8 @@ class EvaluationSpec:
     max_drop: float | None = None  # points of `metric` the quantized model may lose
     min_cosine: float | None = None
     min_sqnr: float | None = None
+    # MatMulNBits' compute type for the fused session (qtool/runtime/low_bit.py); None: ORT's.
+    accuracy_level: int | None = None
 
 
 def gate_problem(key: str, value: float) -> str | None:
@@ -168,7 +251,9 @@ class Recipe:
 
     @property
     def quant_model_path(self) -> Path:
-        return self.output_dir / "model.int8.onnx"
+        """model.int8.onnx, or model.int4.onnx when the recipe asks for 4-bit weights anywhere."""
+        bits = "int4" if self.quantization.uses_int4 else "int8"
+        return self.output_dir / f"model.{bits}.onnx"
 
     @property
     def stats_path(self) -> Path:
@@ -455,28 +540,134 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
 
 
 def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
-    keys = {"target", "per_channel", "op_types", "exclude", "cpu", "saturation"}
+    keys = {
+        "target",
+        "per_channel",
+        "op_types",
+        "exclude",
+        "cpu",
+        "saturation",
+        "weights",
+        "activations",
+        "overrides",
+    }
     reader.mapping(raw, "quantization", keys)
-    op_types = reader.string_list(
-        raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
+    op_types = _read_op_types(
+        reader, raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
     )
-    for index, op_type in enumerate(op_types):
-        reader.choice(op_type, f"quantization.op_types[{index}]", SUPPORTED_OP_TYPES)
+    weights = _read_weights(reader, raw.get("weights", {}), "quantization.weights")
+    if "per_channel" in raw:
+        per_channel = reader.boolean(raw["per_channel"], "quantization.per_channel")
+        if weights.granularity is not None and not per_channel:
+            raise reader.fail(
+                "quantization.per_channel",
+                "conflicts with quantization.weights.granularity: set only the granularity",
+            )
+        # true was always the default: it means "not per-tensor", so blocks stay possible.
+        if not per_channel:
+            weights = weights.layered(WeightSettings(granularity="per-tensor"))
+    activations = raw.get("activations")
+    overrides = raw.get("overrides", [])
+    if not isinstance(overrides, list):
+        raise reader.fail("quantization.overrides", f"must be a list, got {overrides!r}")
     return QuantizationSpec(
         target=reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS),
-        per_channel=reader.boolean(raw.get("per_channel", True), "quantization.per_channel"),
         op_types=op_types,
         exclude=reader.string_list(raw.get("exclude", []), "quantization.exclude"),
         cpu=reader.choice(raw.get("cpu", "auto"), "quantization.cpu", CPU_NAMES),
         saturation=reader.choice(
             raw.get("saturation", "auto"), "quantization.saturation", SATURATION_POLICIES
         ),
+        weights=weights,
+        activations=None
+        if activations is None
+        else reader.choice(activations, "quantization.activations", ACTIVATION_PRECISIONS),
+        overrides=tuple(
+            _read_override(reader, entry, f"quantization.overrides[{i}]")
+            for i, entry in enumerate(overrides)
+        ),
+    )
+
+
+def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:
+    op_types = reader.string_list(raw, where)
+    for index, op_type in enumerate(op_types):
+        reader.choice(op_type, f"{where}[{index}]", SUPPORTED_OP_TYPES)
+    return op_types
+
+
+def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
+    reader.mapping(raw, where, {"bits", "granularity", "block_size", "method", "symmetric"})
+    bits = raw.get("bits")
+    if bits is not None and bits not in (4, 8):
+        raise reader.fail(f"{where}.bits", f"must be 4 or 8, got {bits!r}")
+    block_size = raw.get("block_size")
+    if block_size is not None:
+        block_size = reader.integer(block_size, f"{where}.block_size")
+        if block_size not in BLOCK_SIZES:
+            sizes = ", ".join(map(str, BLOCK_SIZES))
+            raise reader.fail(f"{where}.block_size", f"must be one of {sizes}, got {block_size}")
+    granularity = raw.get("granularity")
+    if granularity is not None:
+        reader.choice(granularity, f"{where}.granularity", WEIGHT_GRANULARITIES)
+        if block_size is not None and granularity != "block":
+            raise reader.fail(
+                f"{where}.block_size", f"applies to granularity 'block', not {granularity!r}"
+            )
+    method = raw.get("method")
+    symmetric = raw.get("symmetric")
+    return WeightSettings(
+        bits=bits,
+        granularity=granularity,
+        block_size=block_size,
+        method=None if method is None else reader.choice(method, f"{where}.method", WEIGHT_METHODS),
+        symmetric=None if symmetric is None else reader.boolean(symmetric, f"{where}.symmetric"),
+    )
+
+
+def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
+    reader.mapping(raw, where, {"nodes", "op_types", "precision", "weights", "activations"})
+    nodes = raw.get("nodes", [])
+    nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
+    op_types = raw.get("op_types", [])
+    op_types = _read_op_types(
+        reader, [op_types] if isinstance(op_types, str) else op_types, f"{where}.op_types"
+    )
+    if not nodes and not op_types:
+        raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
+    weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
+    precision = raw.get("precision")
+    if precision is not None:
+        reader.choice(precision, f"{where}.precision", PRECISIONS)
+        bits = {"int4": 4, "int8": 8}.get(precision)
+        if weights.bits is not None and bits is not None and weights.bits != bits:
+            raise reader.fail(
+                f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+            )
+        if bits is not None:
+            weights = weights.layered(WeightSettings(bits=bits))
+    activations = raw.get("activations")
+    return Override(
+        where=where,
+        nodes=nodes,
+        op_types=op_types,
+        precision=precision,
+        weights=weights,
+        activations=None
+        if activations is None
+        else reader.choice(activations, f"{where}.activations", ACTIVATION_PRECISIONS),
     )
 
 
 def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
     keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
+    keys.add("accuracy_level")
     reader.mapping(raw, "evaluation", keys, {"data"})
+    accuracy_level = raw.get("accuracy_level")
+    if accuracy_level is not None:
+        accuracy_level = reader.integer(accuracy_level, "evaluation.accuracy_level", minimum=0)
+        if accuracy_level > 4:
+            raise reader.fail("evaluation.accuracy_level", f"must be 0..4, got {accuracy_level}")
     gates: dict[str, float | None] = {}
     for key in ("max_drop", "min_cosine", "min_sqnr"):
         value = raw.get(key)
@@ -493,5 +684,6 @@ def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
         batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
         output=None if output is None else reader.string(output, "evaluation.output"),
         metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
+        accuracy_level=accuracy_level,
         **gates,
     )

@@ -15,6 +15,8 @@ import numpy as np
 
 from qtool import __version__
 from qtool.io import atomic_write_text
+from qtool.plan import Plan, WeightPlan
+from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import Layout
 from qtool.quantize.params import ActivationParams, WeightParams
 from qtool.recipe import Recipe
@@ -28,11 +30,31 @@ def _floats(values: np.ndarray) -> list[float] | float:
     return [float(v) for v in array]
 
 
+def _low_bit_entry(name: str, bw: BlockwiseWeight, plan: WeightPlan) -> dict:
+    """Blocked scales run to thousands of values: the report gives their shape and range."""
+    kind = "int" if bw.symmetric else "uint"
+    scale = np.asarray(bw.scale, dtype=np.float32)
+    return {
+        "tensor": name,
+        "role": "weight",
+        "dtype": f"{kind}{bw.bits}",
+        "granularity": plan.granularity,
+        "axis": bw.axis,
+        "block_size": bw.block_size,
+        "stored_shape": list(bw.values.shape),
+        "transposed": plan.transposed,
+        "scale_shape": list(scale.shape),
+        "scale_range": [float(scale.min()), float(scale.max())],
+        "symmetric": bw.symmetric,
+        "method": plan.method,
+    }
+
+
 def _tensor_entries(
     inputs: list[str],
     layout: Layout,
     activations: dict[str, ActivationParams],
-    weights: dict[str, WeightParams],
+    weights: dict[str, WeightParams | BlockwiseWeight],
     recipe: Recipe,
     activation_dtype: str,
 ) -> list[dict]:
@@ -52,6 +74,8 @@ def _tensor_entries(
                     "stats_tensor": layout.activations[name].stats_tensor,
                 }
             )
+        elif name in weights and isinstance(weights[name], BlockwiseWeight):
+            tensors.append(_low_bit_entry(name, weights[name], layout.plan.weight_plans()[name]))
         elif name in weights:
             params = weights[name]
             tensors.append(
@@ -76,7 +100,7 @@ def build_report(
     model_inputs: dict[str, list[str]],
     layout: Layout,
     activations: dict[str, ActivationParams],
-    weights: dict[str, WeightParams],
+    weights: dict[str, WeightParams | BlockwiseWeight],
     output_files: dict[str, str],
     cpu: CpuFeatures,
     verification: dict | None = None,
@@ -124,10 +148,48 @@ def build_report(
             "activation_qdq_pairs": len(activations),
             "folded_activations": len(layout.folded_clamps),
             "weight_formats": dict(sorted(formats.items())),
+            "precisions": layout.plan.counts(),
+            "weight_only_nodes": sum(1 for n in quantized if n.activations == "float"),
         },
+        "low_bit": low_bit_runtime(layout.plan),
         "runtime": verification,
         "nodes": nodes,
     }
+
+
+def low_bit_runtime(plan: Plan) -> dict:
+    """Per op type, what ORT does with the 4-bit and weight-only nodes, in plain words.
+
+    A 4-bit weight that ORT dequantizes before a float kernel makes the file smaller and the model
+    no faster; the report says which of the two each node got, from the runtime truth.
+    """
+    groups: dict[str, dict] = {}
+    for node in plan.quantized():
+        if node.weight is None or (node.precision != "int4" and node.activations == "int8"):
+            continue
+        key = f"{node.precision} {node.op_type}"
+        entry = groups.setdefault(key, {"nodes": 0, "fused": 0, "runs_as": {}})
+        entry["nodes"] += 1
+        runtime = node.runtime or {}
+        runs_as = runtime.get("runs_as") or "unknown"
+        entry["runs_as"][runs_as] = entry["runs_as"].get(runs_as, 0) + 1
+        if runtime.get("status") == "fused":
+            entry["fused"] += 1
+    for entry in groups.values():
+        if entry["fused"] == entry["nodes"]:
+            kinds = ", ".join(sorted(entry["runs_as"]))
+            entry["effect"] = f"smaller file, and ORT runs a low-bit kernel ({kinds})"
+        elif entry["fused"] == 0:
+            entry["effect"] = (
+                "smaller file only: ORT dequantizes the weight and runs the float op, "
+                "so it runs at float speed"
+            )
+        else:
+            entry["effect"] = (
+                f"smaller file; {entry['fused']} of {entry['nodes']} run on a low-bit kernel, "
+                "the rest dequantized at float speed"
+            )
+    return dict(sorted(groups.items()))
 
 
 def write_report(path: Path, report: dict) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from qtool.plan import Plan
+from qtool.plan import NodePlan, Plan
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
-from qtool.runtime.fusion import compare_fused_unfused, fusion_summary, fusion_truth
+from qtool.runtime.fusion import FUSED, compare_fused_unfused, fusion_summary, fusion_truth
 
 # Fused outputs this far below the unfused QDQ semantics mean the integer kernels do something
 # the QDQ graph does not say (saturation, or a fusion that changes the arithmetic).
@@ -34,23 +34,67 @@ def _json_db(value: float) -> float | str:
     return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
+def _written_op_type(node: NodePlan, target: str) -> str:
+    """The op the writer emitted for a planned node (a fused embedding table is rewritten)."""
+    if node.op_type == "Gather" and node.weight is not None and target == "ort-cpu":
+        if node.weight.block_size is not None:
+            return "GatherBlockQuantized"
+    return node.op_type
+
+
+def _weight_only_reason(node: NodePlan) -> str:
+    """Why a weight-only node runs in float, in the words a user deciding on INT4 needs."""
+    weight = node.weight
+    bits = weight.bits if weight is not None else 8
+    if node.op_type == "Conv":
+        return (
+            f"ORT has no {bits}-bit Conv kernel: it dequantizes the weight and runs the float "
+            "Conv (smaller file, float speed)"
+        )
+    if node.op_type in ("MatMul", "Gemm") and weight is not None:
+        if weight.block_size is None:
+            why = "the weight is per channel; MatMulNBits needs blocks along K"
+        elif weight.block_size < 16 or weight.block_size & (weight.block_size - 1):
+            why = f"block size {weight.block_size} is not a power of two >= 16"
+        elif weight.axis != 0:
+            why = "the blocks do not run along K of a [K, N] weight"
+        else:
+            why = "ORT did not form MatMulNBits here (a weight shared by several nodes, or a "
+            why += "non-default Gemm alpha/beta)"
+        return f"{why}: ORT runs the float op on the dequantized weight (smaller file, float speed)"
+    if node.op_type == "Gather":
+        return (
+            "the table is dequantized and gathered in float (standard ONNX form, ORT fuses only "
+            "com.microsoft GatherBlockQuantized)"
+        )
+    return "ORT runs the float op on the dequantized weight (smaller file, float speed)"
+
+
 def verify(
     quantized: bytes,
     plan: Plan,
     feeds: Iterable[dict[str, np.ndarray]],
     target_cpu: CpuFeatures,
     threads: int = 1,
+    target: str = "ort-cpu",
 ) -> Verification:
     """Fill `plan`'s runtime truth and return the summary and the warnings to show the user."""
-    planned = {node.name: node.op_type for node in plan.quantized()}
+    planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
     truth = fusion_truth(quantized, planned, threads)
+    weight_only = set()
     for name, runtime in truth.items():
-        plan[name].runtime = runtime.to_dict()
+        node = plan[name]
+        if node.activations == "float" and runtime.status != FUSED:
+            runtime = replace(runtime, reason=_weight_only_reason(node))
+            weight_only.add(name)
+        truth[name] = runtime
+        node.runtime = runtime.to_dict()
     summary = fusion_summary(truth)
     warnings = [
         f"{entry['name']} ({entry['op_type']}) runs as {entry['runs_as'] or 'nothing'} "
         f"in float, not fused: {entry['reason'] or 'no known ORT rule explains it'}"
         for entry in summary["unfused"]
+        if entry["name"] not in weight_only
     ]
     here = detect_cpu()
     sqnr = compare_fused_unfused(quantized, feeds, threads)

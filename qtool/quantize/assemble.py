@@ -12,10 +12,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.ranges import compute_range
 from qtool.errors import CalibrationError
+from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import Layout
+from qtool.quantize.low_bit import quantize_low_bit
 from qtool.quantize.params import ActivationParams, WeightParams, activation_params, quantize_bias
 from qtool.quantize.qdq import BiasParams
 from qtool.quantize.weight_format import choose_weight
@@ -45,26 +48,42 @@ def activation_parameters(
     return activations
 
 
+def _integer_kernel_weights(layout: Layout) -> set[str]:
+    """Weights an integer kernel multiplies with uint8 activations: int8 per channel / tensor
+    on a node whose activations are quantized. Only these can saturate 16-bit pair sums."""
+    return {
+        node.weight.tensor
+        for node in layout.plan
+        if node.weight is not None
+        and node.activations == "int8"
+        and node.weight.bits == 8
+        and node.weight.block_size is None
+    }
+
+
 def weight_parameters(
     model: onnx.ModelProto,
     layout: Layout,
     spec: QuantizationSpec,
     cpu: CpuFeatures,
     device: str,
-) -> dict[str, WeightParams]:
+    hessians: dict[str, HessianAccumulator] | None = None,
+) -> dict[str, WeightParams | BlockwiseWeight]:
+    """Every planned weight in its stored form; `hessians` maps layer inputs (Layout.gptq_inputs)
+    to their calibration Hessians for the weights whose method is gptq."""
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
-    return {
-        name: choose_weight(
-            numpy_helper.to_array(initializers[name]),
-            slot,
-            plans[name],
-            cpu,
-            spec.saturation,
-            device,
-        )
-        for name, slot in layout.weights.items()
-    }
+    integer = _integer_kernel_weights(layout)
+    hessians = hessians or {}
+    weights: dict[str, WeightParams | BlockwiseWeight] = {}
+    for name, slot in layout.weights.items():
+        array = numpy_helper.to_array(initializers[name])
+        if name in integer:
+            weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
+        else:
+            hessian = hessians.get(layout.gptq_inputs.get(name, ""))
+            weights[name] = quantize_low_bit(array, slot, plans[name], hessian)
+    return weights
 
 
 def bias_parameters(

@@ -15,7 +15,6 @@ The per-node decisions go into a `Plan` (qtool/plan.py); the slots here say wher
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,10 +22,12 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from qtool.plan import NodePlan, Plan, WeightPlan
+from qtool.quantize.node_settings import NodeSettings, resolve_node_settings
 from qtool.recipe import SUPPORTED_OP_TYPES, QuantizationSpec
 
 SUPPORTED_OPS = frozenset(SUPPORTED_OP_TYPES)
-WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
+# Ops with a constant weight: Gather's is its table (its other input is integer indices).
+WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul", "Gather"})
 # Ops whose ORT QLinear form needs a quantized output as well as quantized inputs.
 OUTPUT_QUANTIZED_OPS = (SUPPORTED_OPS - WEIGHTED_OPS) | {"Conv"}
 # Ops that move or select values without creating new ones: the output range is the input range.
@@ -40,7 +41,6 @@ _ORT_CPU_QUANTIZED_FORMS = {
     "Where": "QLinearWhere",
     "ReduceMean": "QLinearReduceMean",
     "Resize": "Resize on uint8",
-    "Gather": "Gather on uint8",
     "Split": "Split on uint8",
     "Pad": "Pad on uint8",
 }
@@ -64,17 +64,21 @@ class ActivationSlot:
 class WeightSlot:
     """A constant weight stored as an integer tensor.
 
-    `axis` is the output-channel axis (None: per-tensor). `reduction` says how ORT's kernels walk
-    the weight along the summed axis, which decides which products share a 16-bit pair sum on CPUs
+    `axis` is DequantizeLinear's axis: the output-channel axis (None: per-tensor), or with
+    `block_size` the axis the blocks run along. `reduction` says how ORT's kernels walk the
+    weight along the summed axis, which decides which products share a 16-bit pair sum on CPUs
     without VNNI: "k-rows" (MatMul / Gemm weight [K, N]), "k-cols" (Gemm transB [N, K]), "conv"
-    (im2col order: kernel positions outer, input channels of the group inner) or "depthwise"
-    (ORT's depthwise kernel accumulates in 32 bits).
+    (im2col order: kernel positions outer, input channels of the group inner), "depthwise"
+    (ORT's depthwise kernel accumulates in 32 bits) or "gather" (an embedding table [V, D]).
+    `transposed`: a Gemm transB weight stored as [K, N] (see WeightPlan).
     """
 
     tensor: str
     axis: int | None
     reduction: str = "k-rows"
     group: int = 1
+    block_size: int | None = None
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,14 @@ class Layout:
     biases: dict[str, BiasSlot] = field(default_factory=dict)
     # Relu / Clip(0, max) node name -> its output, for clamps folded into a QuantizeLinear.
     folded_clamps: dict[str, str] = field(default_factory=dict)
+    # Weight -> the layer input whose Hessian (XᵀX over calibration) GPTQ needs for it.
+    gptq_inputs: dict[str, str] = field(default_factory=dict)
 
     def stats_tensors(self) -> list[str]:
         return sorted({slot.stats_tensor for slot in self.activations.values()})
+
+    def hessian_tensors(self) -> list[str]:
+        return sorted(set(self.gptq_inputs.values()))
 
     def quantized_nodes(self) -> list[str]:
         return [node.name for node in self.plan.quantized()]
@@ -135,48 +144,49 @@ def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
     return default
 
 
-def _excluded_by(name: str, patterns: tuple[str, ...]) -> str | None:
-    for pattern in patterns:
-        if name == pattern or fnmatch.fnmatchcase(name, pattern):
-            return pattern
-    return None
-
-
 def plan_layout(
     model: onnx.ModelProto,
     spec: QuantizationSpec,
     float_tensors: set[str],
     activation_method: str | None = None,
+    recipe_path: str = "recipe",
 ) -> Layout:
     """Decide every node's precision (the Plan) and the QDQ slots; `model` must be prepared."""
     graph = _Graph(model, float_tensors)
+    settings = resolve_node_settings(model, spec, recipe_path)
     layout = Layout()
     wanted: list[str] = []  # activation tensors to quantize, in discovery order
     quantized_nodes: set[str] = set()
-    op_types = set(spec.op_types)
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
     for node in graph.nodes:
-        outcome = _quantize_node(node, graph, spec, op_types, layout)
+        chosen = settings[node.name]
+        outcome = _quantize_node(node, graph, spec, chosen, layout)
         if outcome is not None:
             source, reason = outcome
             layout.plan.add(NodePlan(node.name, node.op_type, "float", source, reason))
             continue
         quantized_nodes.add(node.name)
         weight = next((layout.weights[n] for n in node.input if n in layout.weights), None)
+        with_activations = chosen.activations == "int8" and node.op_type != "Gather"
         layout.plan.add(
             NodePlan(
                 node.name,
                 node.op_type,
-                "int8",
-                "default",
-                f"{node.op_type} is in quantization.op_types",
-                activation_method=activation_method,
+                chosen.precision if weight is not None else "int8",
+                chosen.source,
+                chosen.reason,
+                activation_method=activation_method if with_activations else None,
                 weight=None
                 if weight is None
-                else weight_plans.setdefault(weight.tensor, _weight_plan(weight)),
+                else weight_plans.setdefault(weight.tensor, _weight_plan(weight, chosen, spec)),
+                activations="int8" if with_activations else "float",
             )
         )
+        if weight is not None and layout.plan[node.name].weight.method == "gptq":
+            layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
+        if not with_activations:
+            continue
         wanted.extend(name for name in node.input if graph.is_float_activation(name))
         if node.op_type in OUTPUT_QUANTIZED_OPS:
             out = node.output[0]
@@ -204,28 +214,84 @@ def plan_layout(
     return layout
 
 
-def _weight_plan(slot: WeightSlot) -> WeightPlan:
-    granularity = "per-tensor" if slot.axis is None else "per-channel"
-    return WeightPlan(slot.tensor, 8, granularity, slot.axis)
+def _weight_plan(slot: WeightSlot, chosen: NodeSettings, spec: QuantizationSpec) -> WeightPlan:
+    settings = chosen.weights
+    if slot.block_size is not None:
+        granularity = "block"
+    elif slot.axis is None:
+        granularity = "per-tensor"
+    else:
+        granularity = "per-channel"
+    symmetric = bool(settings.symmetric)
+    notes = []
+    if slot.reduction == "gather" and spec.target == "ort-cpu" and settings.bits == 8:
+        if symmetric and slot.block_size is not None:
+            symmetric = False
+            notes.append("asymmetric: GatherBlockQuantized has no signed 8-bit form")
+    if settings.granularity == "block" and slot.block_size is None:
+        notes.append(_NO_BLOCKS.get(slot.reduction, "blocks need a 2-D weight"))
+    if slot.block_size is not None and settings.block_size != slot.block_size:
+        notes.append(f"block {slot.block_size}: the largest that divides the table's rows")
+    method = settings.method or "minmax"
+    if method == "gptq" and slot.reduction not in ("k-rows", "k-cols"):
+        method = "mse"
+        notes.append("gptq is for MatMul/Gemm weights; this one uses mse")
+    activations_int8 = chosen.activations == "int8" and slot.reduction != "gather"
+    if settings.bits == 8 and activations_int8 and slot.block_size is None:
+        fmt = "s8"
+        reason = "default: int8 symmetric, full range"
+    else:
+        fmt = ("s" if symmetric else "u") + str(settings.bits)
+        where = (
+            f"blocks of {slot.block_size} along axis {slot.axis}"
+            if slot.block_size is not None
+            else granularity
+        )
+        role = "weight-only" if not activations_int8 else "with int8 activations"
+        reason = f"int{settings.bits} {'symmetric' if symmetric else 'asymmetric'}, {where}, {role}"
+    if notes:
+        reason += " (" + "; ".join(notes) + ")"
+    return WeightPlan(
+        slot.tensor,
+        int(settings.bits),
+        granularity,
+        slot.axis,
+        fmt,
+        reason,
+        block_size=slot.block_size,
+        method=method,
+        symmetric=symmetric,
+        transposed=slot.transposed,
+    )
+
+
+_NO_BLOCKS = {
+    "conv": "Conv weights use one scale per output channel",
+    "depthwise": "Conv weights use one scale per output channel",
+    "gather": "no block size divides the table's rows: one scale per row",
+}
 
 
 def _quantize_node(
     node: onnx.NodeProto,
     graph: _Graph,
     spec: QuantizationSpec,
-    op_types: set[str],
+    chosen: NodeSettings,
     layout: Layout,
 ) -> tuple[str, str] | None:
     """Record the node's weight/bias slots and return None, or (source, why it stays float)."""
-    if node.op_type not in op_types or node.op_type not in SUPPORTED_OPS:
-        return "unsupported", _UNLISTED  # refined for pass-through ops later
-    pattern = _excluded_by(node.name, spec.exclude)
-    if pattern is not None:
-        return "excluded", f"excluded by quantization.exclude pattern '{pattern}'"
+    if chosen.precision == "float":
+        if chosen.source == "not-listed":
+            return "unsupported", _UNLISTED  # refined for pass-through ops later
+        return chosen.source, chosen.reason
+    if node.op_type not in SUPPORTED_OPS:
+        return "unsupported", _UNLISTED
     data_inputs = [name for name in node.input if name]
     if node.op_type in WEIGHTED_OPS:
-        reason = _weighted_node(node, graph, spec, layout)
+        reason = _weighted_node(node, graph, spec, chosen, layout)
         return None if reason is None else ("unsupported", reason)
+    if chosen.activations == "float":
+        return chosen.source, f"{chosen.reason}: activations float and no weight to store"
     if any(not graph.is_float_activation(name) for name in data_inputs):
         return "unsupported", "has a constant or non-float input"
     return None
@@ -234,10 +300,43 @@ def _quantize_node(
 _UNLISTED = "op type not quantized"
 
 
+def _block_size_for(size: int, wanted: int, target: str) -> int | None:
+    """Gather tables: GatherBlockQuantized wants the block to divide the row (ORT 1.31)."""
+    if target != "ort-cpu":
+        return wanted
+    for block in (wanted, 128, 64, 32, 16):
+        if block <= wanted and size % block == 0:
+            return block
+    return None
+
+
 def _weighted_node(
-    node: onnx.NodeProto, graph: _Graph, spec: QuantizationSpec, layout: Layout
+    node: onnx.NodeProto,
+    graph: _Graph,
+    spec: QuantizationSpec,
+    chosen: NodeSettings,
+    layout: Layout,
 ) -> str | None:
     inputs = list(node.input) + [""] * (3 - len(node.input))
+    settings = chosen.weights
+    blocked = settings.granularity == "block"
+    per_tensor = settings.granularity == "per-tensor"
+    activations_int8 = chosen.activations == "int8"
+    if node.op_type == "Gather":
+        table, indices = inputs[0], inputs[1]
+        if not graph.is_float_constant(table):
+            return "data input is not a constant float table"
+        if graph.is_float_activation(indices) or indices in graph.initializers:
+            return "indices are constant or float"
+        dims = list(graph.initializers[table].dims)
+        if len(dims) != 2 or _attribute(node, "axis", 0) != 0:
+            return "only 2-D tables gathered along axis 0 are quantized"
+        block = None
+        if blocked or spec.target == "ort-cpu":
+            block = _block_size_for(dims[1], settings.block_size or 128, spec.target)
+        axis = 1 if block is not None else 0
+        layout.weights.setdefault(table, WeightSlot(table, axis, "gather", block_size=block))
+        return None
     if node.op_type == "MatMul":
         a, b = inputs[0], inputs[1]
         if not graph.is_float_activation(a) and not graph.is_float_constant(a):
@@ -246,8 +345,12 @@ def _weighted_node(
             return "constant first input (weight on the left) is not supported"
         if graph.is_float_constant(b):
             dims = graph.initializers[b].dims
-            axis = 1 if spec.per_channel and len(dims) == 2 else None
-            layout.weights.setdefault(b, WeightSlot(b, axis, "k-rows"))
+            if blocked:
+                slot = WeightSlot(b, len(dims) - 2, "k-rows", block_size=settings.block_size)
+            else:
+                axis = None if per_tensor or len(dims) != 2 else 1
+                slot = WeightSlot(b, axis, "k-rows")
+            layout.weights.setdefault(b, slot)
         elif not graph.is_float_activation(b):
             return "input B is not float"
         return None
@@ -257,13 +360,20 @@ def _weighted_node(
     if not graph.is_float_constant(w):
         return "weight is not a constant float initializer"
     group = 1
+    transposed = False
+    block_size = None
     if node.op_type == "Gemm":
         if _attribute(node, "transA", 0) != 0:
             return "Gemm with transA=1 is not supported"
-        axis = 0 if _attribute(node, "transB", 0) else 1
-        reduction = "k-cols" if axis == 0 else "k-rows"
+        trans_b = bool(_attribute(node, "transB", 0))
+        axis = 0 if trans_b else 1
+        reduction = "k-cols" if trans_b else "k-rows"
         w_dims = list(graph.initializers[w].dims)
         channels = w_dims[axis]
+        if blocked:
+            # Stored [K, N] with blocks along K: the only layout ORT fuses into MatMulNBits.
+            axis, block_size, transposed = 0, settings.block_size, trans_b
+            reduction = "k-rows"
         bias_ok = bool(bias) and graph.is_float_constant(bias)
         if bias_ok:
             bias_dims = list(graph.initializers[bias].dims)
@@ -280,9 +390,12 @@ def _weighted_node(
         # output channel; every other Conv runs as im2col x GEMM.
         depthwise = group > 1 and len(w_dims) >= 2 and w_dims[1] == 1 and w_dims[0] == group
         reduction = "depthwise" if depthwise else "conv"
-    slot = WeightSlot(w, axis if spec.per_channel else None, reduction, group)
+    if per_tensor:
+        axis = None
+    slot = WeightSlot(w, axis, reduction, group, block_size, transposed)
     layout.weights.setdefault(w, slot)
-    if bias_ok:
+    integer_bias = activations_int8 and block_size is None and settings.bits == 8
+    if bias_ok and integer_bias:
         layout.biases.setdefault(bias, BiasSlot(bias, x, w))
     return None
 

@@ -30,6 +30,7 @@ from qtool.quantize.fold_bn import fold_batch_norms
 from qtool.quantize.fold_constants import fold_constants
 from qtool.quantize.fuse_gemm import fuse_matmul_add
 from qtool.quantize.graph_edit import delete_indexes, drop_where, subgraph_names
+from qtool.quantize.opset21 import TARGET_OPSET, upgrade_to_opset21
 from qtool.quantize.shapes import Inference, infer, write_inference
 
 __all__ = ["prepare_model", "tensor_types"]
@@ -120,6 +121,9 @@ def _default_opset(model: onnx.ModelProto) -> int:
 def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
     current = _default_opset(model)
     if current >= min_opset:
+        return
+    if min_opset == TARGET_OPSET:  # INT4 / blocked weights: the op-by-op upgrade with its fixes
+        model.CopyFrom(upgrade_to_opset21(model))
         return
     try:
         converted = version_converter.convert_version(model, min_opset)

@@ -14,8 +14,17 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.errors import ModelError
+from qtool.quantize.int4 import (
+    BlockwiseWeight,
+    dequantize_node,
+    gather_block_quantized_node,
+    to_initializers,
+)
 from qtool.quantize.layout import Layout
 from qtool.quantize.params import ActivationParams, WeightParams
+
+MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -29,12 +38,31 @@ def _dequantize_node(name: str, inputs: list[str], output: str, axis: int | None
     return helper.make_node("DequantizeLinear", inputs, [output], name=name, **attrs)
 
 
+def _fused_gather_tables(layout: Layout, target: str) -> set[str]:
+    """Tables whose Gathers become com.microsoft GatherBlockQuantized (ORT fuses nothing else)."""
+    if target != "ort-cpu":
+        return set()
+    return {
+        name
+        for name, slot in layout.weights.items()
+        if slot.reduction == "gather" and slot.block_size is not None
+    }
+
+
+def _needs_opset21(low_bit: dict[str, BlockwiseWeight]) -> str | None:
+    for name, bw in sorted(low_bit.items()):
+        if bw.bits == 4 or bw.block_size is not None:
+            return name
+    return None
+
+
 def write_qdq_model(
     model: onnx.ModelProto,
     layout: Layout,
     activations: dict[str, ActivationParams],
-    weights: dict[str, WeightParams],
+    weights: dict[str, WeightParams | BlockwiseWeight],
     biases: dict[str, BiasParams],
+    target: str = "ort-cpu",
 ) -> onnx.ModelProto:
     """Return a new model; `model` is the prepared float model the layout was planned on."""
     graph = model.graph
@@ -43,9 +71,31 @@ def write_qdq_model(
     head_nodes: list[onnx.NodeProto] = []  # weight/bias DequantizeLinear, placed first
     rename: dict[str, str] = {}  # tensor -> dequantized tensor read by consumers
 
+    low_bit = {n: w for n, w in weights.items() if isinstance(w, BlockwiseWeight)}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    needs_21 = _needs_opset21(low_bit)
+    if needs_21 is not None and opset < 21:
+        raise ModelError(
+            f"weight '{needs_21}' is 4-bit or blocked, which needs opset 21, but the prepared "
+            f"model is opset {opset} (preparation should have upgraded it)"
+        )
+    fused_tables = _fused_gather_tables(layout, target) & set(low_bit)
+    gather_readers = {
+        name
+        for name in fused_tables
+        if any(n.op_type != "Gather" and name in n.input for n in graph.node)
+    }
+    for name, bw in sorted(low_bit.items()):
+        new_initializers.extend(to_initializers(name, bw))
+        if name not in fused_tables or name in gather_readers:
+            rename[name] = f"{name}_dequantized"
+            head_nodes.append(dequantize_node(name, bw, rename[name]))
+    transposed = {name for name, slot in layout.weights.items() if slot.transposed}
+
     constants = [
         (name, w.values, w.scale, w.zero_point_array(), w.axis)
         for name, w in sorted(weights.items())
+        if isinstance(w, WeightParams)
     ]
     for name in sorted(biases):
         scale, values = biases[name].scale, biases[name].values
@@ -93,12 +143,25 @@ def write_qdq_model(
     for node in graph.node:
         if node.name in folded:
             continue
+        if node.op_type == "Gather" and node.input[0] in fused_tables:
+            table = node.input[0]
+            fused = gather_block_quantized_node(
+                table, low_bit[table], node.input[1], node.output[0]
+            )
+            fused.name = node.name  # the Plan's name, so the runtime truth finds it
+            body.append(fused)
+            continue
         rewritten = onnx.NodeProto()
         rewritten.CopyFrom(node)
         for index, name in enumerate(rewritten.input):
             if name in rename:
                 rewritten.input[index] = rename[name]
-        body.append(rewritten)
+        if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
+            _set_int_attribute(rewritten, "transB", 0)
+        if node.op_type == "Gemm" and _blocked_weight(node, low_bit):
+            body.extend(_split_gemm_bias(rewritten))
+        else:
+            body.append(rewritten)
         for out in node.output:
             body.extend(pairs_after.get(out, []))
 
@@ -114,15 +177,48 @@ def write_qdq_model(
         initializer=new_initializers,
         value_info=value_info,
     )
+    opset_imports = list(model.opset_import)
+    if fused_tables and all(o.domain != MS_DOMAIN for o in opset_imports):
+        opset_imports.append(helper.make_opsetid(MS_DOMAIN, 1))
     quantized_model = helper.make_model(
         new_graph,
-        opset_imports=list(model.opset_import),
+        opset_imports=opset_imports,
         producer_name="qtool",
         producer_version=_version(),
     )
     quantized_model.ir_version = model.ir_version
     onnx.checker.check_model(quantized_model)
     return quantized_model
+
+
+def _blocked_weight(node: onnx.NodeProto, low_bit: dict[str, BlockwiseWeight]) -> bool:
+    weight = low_bit.get(node.input[1]) if len(node.input) > 1 else None
+    return weight is not None and weight.block_size is not None
+
+
+def _split_gemm_bias(gemm: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Gemm(x, W, b) -> Gemm(x, W) + Add(b) for a blocked weight.
+
+    ORT's GemmActivationFusion runs before its DequantizeLinear -> MatMulNBits fusion and takes a
+    biased Gemm followed by Relu into a float FusedGemm (measured on ORT 1.31); without the bias
+    in the Gemm, MatMulNBits forms and absorbs the Add. beta != 1 keeps the Gemm whole.
+    """
+    beta = next((a.f for a in gemm.attribute if a.name == "beta"), 1.0)
+    if len(gemm.input) < 3 or not gemm.input[2] or beta != 1.0:
+        return [gemm]
+    bias = gemm.input[2]
+    output = gemm.output[0]
+    del gemm.input[2]
+    gemm.output[0] = f"{output}_before_bias"
+    add = helper.make_node("Add", [gemm.output[0], bias], [output], name=f"{gemm.name}_bias_Add")
+    return [gemm, add]
+
+
+def _set_int_attribute(node: onnx.NodeProto, name: str, value: int) -> None:
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.append(helper.make_attribute(name, value))
 
 
 def _version() -> str:

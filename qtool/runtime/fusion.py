@@ -66,6 +66,7 @@ INTEGER_OPS = frozenset(
         "ConvInteger",
         "DynamicQuantizeMatMul",
         "MatMulNBits",
+        "GatherBlockQuantized",
         "QAttention",
         "QLinearAdd",
         "QLinearMul",
@@ -224,7 +225,9 @@ def _load_structure(model: bytes | Path, what: str) -> onnx.ModelProto:
         raise ModelError(f"{what} {name} is not a readable ONNX model: {exc}") from None
 
 
-def optimized_graph(model: bytes | Path, threads: int = 1) -> onnx.ModelProto:
+def optimized_graph(
+    model: bytes | Path, threads: int = 1, config: dict[str, str] | None = None
+) -> onnx.ModelProto:
     """The graph ORT's CPU provider runs: optimized with qtool's session settings, saved, read back.
 
     Uses the same options as every qtool session (ORT_ENABLE_ALL, sequential, deterministic), so
@@ -249,6 +252,8 @@ def optimized_graph(model: bytes | Path, threads: int = 1) -> onnx.ModelProto:
         target = Path(folder) / "optimized.onnx"
         options = _session_options(threads, optimize=True)
         options.optimized_model_filepath = str(target)
+        for key, value in sorted((config or {}).items()):
+            options.add_session_config_entry(key, value)
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
         )
@@ -273,6 +278,10 @@ def _name_candidates(name: str, ort: _Index) -> list[onnx.NodeProto]:
     exact = [n for n in ort.by_name.get(name, []) if n.op_type not in _QDQ_OPS]
     if exact:
         return exact
+    # Float-side activation fusions (Gemm + Relu -> FusedGemm) name the new node "fused <name>".
+    fused = [n for n in ort.by_name.get(f"fused {name}", []) if n.op_type not in _QDQ_OPS]
+    if fused:
+        return fused
     generated = re.compile(re.escape(name) + r"(?:_token_\d+)+")
     return [
         n
