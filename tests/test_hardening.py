@@ -1,0 +1,181 @@
+"""Hostile and faulty input: each case fails fast, in one line naming the file, key or tensor.
+
+Cases from issue 10 (a hostile user's tour of the digits example): YAML alias bombs, absurd
+integer settings, malicious or mismatched weights files, IR versions newer than ONNX Runtime,
+disk full in the middle of writing outputs, tampered stats files, and the CLI's own help/doctor.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qtool.errors import RecipeError
+from qtool.recipe import load_recipe
+
+RECIPE = {
+    "model": {"onnx": "model.onnx"},
+    "inputs": {"x": [1, 4]},
+    "calibration": {"data": {"synthetic": True}},
+}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "model.onnx").write_bytes(b"only its existence is checked by load_recipe")
+    return tmp_path
+
+
+def _write_recipe(folder: Path, text: str) -> Path:
+    path = folder / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+# --- 1. YAML alias bombs and oversized documents -------------------------------------------------
+
+
+def _alias_bomb(levels: int = 9, width: int = 10) -> str:
+    """The classic billion laughs: each level is a list of `width` aliases to the level below."""
+    lines = ['l0: &l0 ["lol"]']
+    for level in range(1, levels + 1):
+        refs = ", ".join(f"*l{level - 1}" for _ in range(width))
+        lines.append(f"l{level}: &l{level} [{refs}]")
+    return "\n".join(lines)
+
+
+def _bomb_under_seed() -> str:
+    """The bomb in a key qtool reads (seed), as in the issue."""
+    indented = "\n".join("  " + line for line in _alias_bomb().splitlines())
+    return yaml.safe_dump(RECIPE) + "seed:\n" + indented + "\n"
+
+
+def test_alias_bomb_under_seed_fails_fast_naming_the_file(folder: Path) -> None:
+    path = _write_recipe(folder, _bomb_under_seed())
+    start = time.perf_counter()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert str(path) in message and "alias" in message
+    assert "\n" not in message and len(message) < 300
+
+
+def test_alias_bomb_through_the_cli_exits_2_in_one_line(folder: Path, cli) -> None:
+    path = _write_recipe(folder, _bomb_under_seed())
+    result = cli("calibrate", path, "-o", folder / "out", "--no-progress")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(path) in lines[0]
+    assert not (folder / "out").exists()
+
+
+def test_recursive_alias_is_refused(folder: Path) -> None:
+    text = yaml.safe_dump(RECIPE) + "seed: &loop [*loop]\n"
+    with pytest.raises(RecipeError, match="refers to itself"):
+        load_recipe(_write_recipe(folder, text))
+
+
+def test_a_few_aliases_still_work(folder: Path) -> None:
+    """Anchors are legitimate YAML: one data spec shared by calibration and evaluation."""
+    text = (
+        "model: {onnx: model.onnx}\n"
+        "inputs: {x: [1, 4]}\n"
+        "calibration:\n  data: &data {synthetic: true, samples: 16}\n"
+        "evaluation:\n  data: *data\n"
+    )
+    recipe = load_recipe(_write_recipe(folder, text))
+    assert recipe.evaluation is not None and recipe.evaluation.data.samples == 16
+    assert recipe.calibration.data.samples == 16
+
+
+def test_oversized_recipe_is_refused_without_parsing(folder: Path) -> None:
+    text = yaml.safe_dump(RECIPE) + "# " + "x" * (2 << 20) + "\n"
+    start = time.perf_counter()
+    with pytest.raises(RecipeError, match="larger than 1024 KiB") as info:
+        load_recipe(_write_recipe(folder, text))
+    assert time.perf_counter() - start < 1.0
+    assert str(folder / "recipe.yaml") in str(info.value)
+
+
+def test_alias_bomb_in_a_base_preset_names_the_preset(folder: Path) -> None:
+    (folder / "preset.yaml").write_text(
+        "calibration:\n  x:\n" + "\n".join("    " + line for line in _alias_bomb().splitlines())
+    )
+    text = "base: preset.yaml\n" + yaml.safe_dump(RECIPE)
+    with pytest.raises(RecipeError, match="alias") as info:
+        load_recipe(_write_recipe(folder, text))
+    assert "preset.yaml" in str(info.value) and "base" in str(info.value)
+
+
+def test_wrong_type_error_stays_one_short_line(folder: Path) -> None:
+    """A large wrong value is shown abbreviated, not repr'd in full."""
+    values = ", ".join(str(i) for i in range(5000))
+    text = yaml.safe_dump(RECIPE) + f"seed: [{values}]\n"
+    with pytest.raises(RecipeError, match=r"seed: must be an integer") as info:
+        load_recipe(_write_recipe(folder, text))
+    assert len(str(info.value)) < 300
+
+
+# --- 2. calibration.bins and other integers ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("1e30", "must be an integer"),  # YAML 1.1: a string
+        ("1.0e+30", "must be an integer"),  # a float
+        ("2**40", "must be an integer"),
+        ("1099511627776", "must be <= 16384"),  # 2**40 as an integer
+        ("1" + "0" * 30, "must be <= 16384"),
+        ("1001", "must be even"),
+        ("128", "must be >= 256"),
+        ("true", "must be an integer"),
+    ],
+)
+def test_bad_bins_fail_at_load_with_the_key_path(folder: Path, value: str, words: str) -> None:
+    text = yaml.safe_dump(RECIPE).replace("calibration:\n", f"calibration:\n  bins: {value}\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(_write_recipe(folder, text))
+    message = str(info.value)
+    assert "calibration.bins" in message and words in message and str(folder) in message
+
+
+def test_even_bins_in_bounds_load(folder: Path) -> None:
+    for value in (256, 1002, 16384):
+        text = yaml.safe_dump(RECIPE).replace("calibration:\n", f"calibration:\n  bins: {value}\n")
+        assert load_recipe(_write_recipe(folder, text)).calibration.bins == value
+
+
+@pytest.mark.parametrize(
+    ("key", "where"),
+    [
+        ("calibration.batch_size", ("calibration", "batch_size")),
+        ("calibration.max_samples", ("calibration", "max_samples")),
+        ("calibration.data.samples", ("calibration", "data", "samples")),
+        ("seed", ("seed",)),
+    ],
+)
+def test_huge_integers_are_refused_for_every_integer_key(
+    folder: Path, key: str, where: tuple[str, ...]
+) -> None:
+    recipe = copy.deepcopy(RECIPE)
+    node = recipe
+    for part in where[:-1]:
+        node = node[part]
+    node[where[-1]] = 2**40
+    with pytest.raises(RecipeError, match=re.escape(f"{key}: must be <= ")) as info:
+        load_recipe(_write_recipe(folder, yaml.safe_dump(recipe)))
+    assert str(folder) in str(info.value)
+
+
+def test_huge_input_dim_is_refused(folder: Path) -> None:
+    recipe = copy.deepcopy(RECIPE)
+    recipe["inputs"] = {"x": [1, 2**40]}
+    with pytest.raises(RecipeError, match=re.escape("inputs.x[1]: must be <= ")):
+        load_recipe(_write_recipe(folder, yaml.safe_dump(recipe)))
