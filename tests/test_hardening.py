@@ -179,3 +179,136 @@ def test_huge_input_dim_is_refused(folder: Path) -> None:
     recipe["inputs"] = {"x": [1, 2**40]}
     with pytest.raises(RecipeError, match=re.escape("inputs.x[1]: must be <= ")):
         load_recipe(_write_recipe(folder, yaml.safe_dump(recipe)))
+
+
+# --- 3. weights files ----------------------------------------------------------------------------
+
+TINY_MODEL = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make():
+    return Tiny()
+"""
+
+
+class _RunsAShellCommand:
+    """A pickle payload that would run a command when unpickled without weights_only."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > pwned.txt",))
+
+
+def _torch_recipe(folder: Path, weights: Path) -> Path:
+    (folder / "tiny.py").write_text(TINY_MODEL)
+    recipe = {
+        "model": {"pytorch": "tiny.py:make", "weights": weights.name},
+        "inputs": {"x": [1, 4]},
+        "calibration": {"data": {"synthetic": True, "samples": 8}, "method": "minmax"},
+    }
+    return _write_recipe(folder, yaml.safe_dump(recipe))
+
+
+def _weights_error(cli, folder: Path, weights: Path) -> str:
+    result = cli("calibrate", _torch_recipe(folder, weights), "-o", folder / "out", "--no-progress")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # no torch warnings around the error
+    line = lines[0]
+    assert line.startswith("error:") and str(weights) in line
+    assert "weights_only" not in line and "Traceback" not in result.output
+    assert not (folder / "out").exists()
+    return line
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_malicious_pickle_is_refused_in_one_line(tmp_path: Path, cli, protocol: int) -> None:
+    import pickle
+
+    weights = tmp_path / "evil.pt"
+    weights.write_bytes(pickle.dumps({"fc1.weight": _RunsAShellCommand()}, protocol=protocol))
+    line = _weights_error(cli, tmp_path, weights)
+    assert "refused" in line and "system" in line
+    assert not (tmp_path / "pwned.txt").exists()
+
+
+def test_torch_saved_malicious_object_is_refused(tmp_path: Path, cli) -> None:
+    import torch
+
+    weights = tmp_path / "evil.pt"
+    torch.save({"fc1.weight": _RunsAShellCommand()}, weights)
+    assert "refused" in _weights_error(cli, tmp_path, weights)
+    assert not (tmp_path / "pwned.txt").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", bytes(range(256)) * 16])
+def test_random_bytes_are_not_a_state_dict(tmp_path: Path, cli, content: bytes) -> None:
+    weights = tmp_path / "random.pt"
+    weights.write_bytes(content)
+    assert "not a PyTorch state_dict file" in _weights_error(cli, tmp_path, weights)
+
+
+def test_state_dict_of_another_architecture_names_the_keys(tmp_path: Path, cli) -> None:
+    import torch
+    from torch import nn
+
+    other = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Linear(4, 2))
+    weights = tmp_path / "other.pt"
+    torch.save(other.state_dict(), weights)
+    line = _weights_error(cli, tmp_path, weights)
+    assert "Tiny" in line
+    assert "4 missing keys (fc1.weight, fc1.bias, fc2.weight, fc2.bias)" in line
+    assert "6 unexpected keys (0.weight, 0.bias, 2.weight, 2.bias, ... 2 more)" in line
+
+
+def test_state_dict_with_other_shapes_names_the_tensors(tmp_path: Path, cli) -> None:
+    import torch
+
+    state = {
+        "fc1.weight": torch.zeros(16, 4),
+        "fc1.bias": torch.zeros(16),
+        "fc2.weight": torch.zeros(2, 16),
+        "fc2.bias": torch.zeros(2),
+    }
+    weights = tmp_path / "wide.pt"
+    torch.save(state, weights)
+    line = _weights_error(cli, tmp_path, weights)
+    assert "3 tensors do not fit Tiny" in line
+    assert "fc1.weight [16, 4] vs [8, 4]" in line and "fc2.weight [2, 16] vs [2, 8]" in line
+
+
+def test_training_checkpoint_is_not_a_state_dict(tmp_path: Path, cli) -> None:
+    import torch
+
+    weights = tmp_path / "checkpoint.pt"
+    torch.save({"epoch": 3, "model": {"fc1.weight": torch.zeros(8, 4)}}, weights)
+    line = _weights_error(cli, tmp_path, weights)
+    assert "2 entries are not tensors (epoch, model)" in line
+
+
+def test_matching_state_dict_loads(tmp_path: Path) -> None:
+    import torch
+
+    from qtool.models import load_entry_point, load_weights
+
+    (tmp_path / "tiny.py").write_text(TINY_MODEL)
+    make = load_entry_point(f"{tmp_path / 'tiny.py'}:make", "model factory")
+    source = make()
+    weights = tmp_path / "tiny.pt"
+    torch.save(source.state_dict(), weights)
+    target = make()
+    load_weights(target, weights)
+    assert torch.equal(target.fc2.weight, source.fc2.weight)
