@@ -73,7 +73,76 @@ def load_model(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProt
         model = export_pytorch(spec, inputs)
         source = spec.pytorch or "pytorch model"
     check_inputs(model, inputs, source)
+    fit_ir_version(model, source)
     return model
+
+
+# Element types newer than IR 8 and the IR version that added each (onnx.proto's history).
+_TYPE_IR = {
+    name: version
+    for version, names in (
+        (9, ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")),
+        (10, ("UINT4", "INT4")),
+        (11, ("FLOAT4E2M1",)),
+        (12, ("FLOAT8E8M0",)),
+        (13, ("UINT2", "INT2")),
+        (14, ("FLOAT6E2M3", "FLOAT6E3M2")),
+    )
+    for name in names
+}
+
+
+def _graph_types(graph: onnx.GraphProto) -> set[int]:
+    """Every element type a graph (and its subgraphs) declares, stores or casts to."""
+    found = {init.data_type for init in graph.initializer}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            found.add(value.type.tensor_type.elem_type)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.type == onnx.AttributeProto.INT:
+                found.add(attr.i)
+            if attr.HasField("t"):
+                found.add(attr.t.data_type)
+            if attr.HasField("g"):
+                found |= _graph_types(attr.g)
+            for sub in attr.graphs:
+                found |= _graph_types(sub)
+    return found
+
+
+def required_ir_version(model: onnx.ModelProto) -> tuple[int, str]:
+    """The oldest IR version that can express `model`, and what needs it (for messages)."""
+    version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    reason = "its opsets"
+    for elem in sorted(_graph_types(model.graph)):
+        name = onnx.TensorProto.DataType.Name(elem) if elem else ""
+        if _TYPE_IR.get(name, 0) > version:
+            version, reason = _TYPE_IR[name], f"element type {name}"
+    if model.functions and version < 8:
+        version, reason = 8, "model-local functions"
+    return version, reason
+
+
+def fit_ir_version(model: onnx.ModelProto, source: str) -> None:
+    """Lower the IR version to one the installed onnxruntime loads, when the model needs no newer
+    feature: the installed onnx package writes a newer IR version than the ORT release beside it
+    reads (onnx 1.23 writes 14, ORT 1.31 reads up to 13), so a model fresh from onnx.helper would
+    otherwise be refused by every session qtool opens, and so would qtool's own outputs."""
+    from qtool.ort_session import max_ir_version
+
+    newest = max_ir_version()
+    if model.ir_version <= newest:
+        return
+    required, reason = required_ir_version(model)
+    if required > newest:
+        import onnxruntime
+
+        raise ModelError(
+            f"{source}: needs ONNX IR version {required} (for {reason}), but the installed "
+            f"onnxruntime {onnxruntime.__version__} reads IR <= {newest}"
+        )
+    model.ir_version = newest
 
 
 def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:

@@ -9,10 +9,13 @@ become `ModelError` naming the file, because ORT's own messages bury the path in
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
+import onnx
 import onnxruntime
+from onnx import TensorProto, helper
 
 from qtool.errors import ModelError, first_line
 
@@ -68,6 +71,42 @@ def _resolve_providers(providers: list[str] | None) -> list[str]:
             f"(available: {', '.join(available)})"
         )
     return list(providers)
+
+
+# The oldest IR version qtool asks for: opset 17, its minimum opset, needs IR 8.
+_OLDEST_IR = 8
+
+
+@functools.cache
+def max_ir_version() -> int:
+    """The newest ONNX IR version the installed onnxruntime loads.
+
+    The installed onnx package stamps its own (newer) IR version on every model it builds, and ORT
+    refuses any IR version above the one it was built with, but has no API that says which one
+    that is; so it is probed with a one-node model, a millisecond per candidate.
+    """
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "ir_probe",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = _session_options(threads=1, optimize=False)
+    for version in range(max(onnx.IR_VERSION, _OLDEST_IR), _OLDEST_IR - 1, -1):
+        probe.ir_version = version
+        try:
+            onnxruntime.InferenceSession(
+                probe.SerializeToString(), sess_options=options, providers=[CPU_PROVIDER]
+            )
+        except Exception:  # ORT's private exception types; the next older version is tried
+            continue
+        return version
+    raise ModelError(
+        f"onnxruntime {onnxruntime.__version__} loads no model of IR version {_OLDEST_IR} to "
+        f"{onnx.IR_VERSION}: the installation is broken"
+    )
 
 
 def create_session(

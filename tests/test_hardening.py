@@ -312,3 +312,121 @@ def test_matching_state_dict_loads(tmp_path: Path) -> None:
     target = make()
     load_weights(target, weights)
     assert torch.equal(target.fc2.weight, source.fc2.weight)
+
+
+# --- 4. IR versions newer than ONNX Runtime reads ------------------------------------------------
+
+
+def _gemm_model(ir_version: int | None = None, extra_type: int | None = None):
+    """A Gemm + Relu + Gemm model built with onnx.helper, which stamps onnx's own IR version."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 2)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2"),
+    ]
+    if extra_type is not None:  # an unused initializer of a type only a newer IR has
+        inits.append(helper.make_tensor("newer", extra_type, [2], [0.0, 1.0]))
+    graph = helper.make_graph(
+        nodes,
+        "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if ir_version is not None:
+        model.ir_version = ir_version
+    return model
+
+
+def _onnx_recipe(folder: Path, model) -> Path:
+    import onnx
+
+    onnx.save(model, folder / "model.onnx")
+    recipe = {
+        "model": {"onnx": "model.onnx"},
+        "inputs": {"x": [1, 4]},
+        "calibration": {
+            "data": {"synthetic": True, "samples": 16},
+            "method": "minmax",
+            "batch_size": 8,
+        },
+    }
+    return _write_recipe(folder, yaml.safe_dump(recipe))
+
+
+def test_ir_version_newer_than_ort_is_written_as_one_ort_loads(tmp_path: Path, cli) -> None:
+    import onnx
+    import onnxruntime
+
+    from qtool.ort_session import max_ir_version
+
+    newest = max_ir_version()
+    model = _gemm_model(ir_version=newest + 1)  # what a newer onnx than this ORT's would write
+    recipe = _onnx_recipe(tmp_path, model)
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match="IR version"):  # the premise: ORT refuses it as it is
+        onnxruntime.InferenceSession(
+            str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]
+        )
+    result = cli("quantize", recipe, "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    for name in ("model.int8.onnx", "model.fp32.onnx"):
+        written = onnx.load(str(out / name))
+        assert written.ir_version == newest
+        onnxruntime.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
+
+
+def test_max_ir_version_is_what_ort_loads() -> None:
+    import onnxruntime
+
+    from qtool.ort_session import max_ir_version
+
+    newest = max_ir_version()
+    for version, loads in ((newest, True), (newest + 1, False)):
+        model = _gemm_model(ir_version=version)
+        if loads:
+            onnxruntime.InferenceSession(model.SerializeToString())
+        else:
+            with pytest.raises(Exception, match="IR version"):
+                onnxruntime.InferenceSession(model.SerializeToString())
+
+
+def test_model_needing_a_newer_ir_than_ort_reads_names_the_file(tmp_path: Path, cli) -> None:
+    from onnx import TensorProto
+
+    from qtool.models import required_ir_version
+    from qtool.ort_session import max_ir_version
+
+    model = _gemm_model(extra_type=TensorProto.FLOAT6E2M3)
+    required, reason = required_ir_version(model)
+    assert (required, reason) == (14, "element type FLOAT6E2M3")
+    if required <= max_ir_version():
+        pytest.skip("the installed onnxruntime reads IR 14: no model here is too new for it")
+    recipe = _onnx_recipe(tmp_path, model)
+    result = cli("calibrate", recipe, "-o", tmp_path / "out", "--no-progress")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert str(tmp_path / "model.onnx") in line and "IR version 14" in line
+    assert "FLOAT6E2M3" in line and "onnxruntime" in line
+
+
+def test_session_on_a_too_new_file_names_the_file(tmp_path: Path) -> None:
+    import onnx
+
+    from qtool.errors import ModelError
+    from qtool.ort_session import create_session, max_ir_version
+
+    path = tmp_path / "new.onnx"
+    onnx.save(_gemm_model(ir_version=max_ir_version() + 1), path)
+    with pytest.raises(ModelError, match="IR version") as info:
+        create_session(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
