@@ -20,11 +20,11 @@ import onnx
 from qtool import __version__, kernels, provenance
 from qtool.calibration.collect import collect_statistics
 from qtool.calibration.observers import TensorStats
-from qtool.calibration.stats_file import load_stats, save_stats, stats_data_sha256
+from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_file_bytes
 from qtool.data import Batch, count_samples_hint, iter_batches
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
-from qtool.io import atomic_write_bytes
+from qtool.io import commit_files
 from qtool.models import load_model
 from qtool.ort_session import create_session
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
@@ -32,7 +32,7 @@ from qtool.quantize.layout import Layout, plan_layout
 from qtool.quantize.prepare import prepare_model, tensor_types
 from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
-from qtool.report import build_report, write_report
+from qtool.report import build_report, report_bytes
 from qtool.runtime.cpu import resolve_cpu
 from qtool.verify import verify
 
@@ -128,10 +128,8 @@ def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) ->
         total_samples=count_samples_hint(spec.data, spec.max_samples),
         progress=progress,
     )
-    save_stats(
-        recipe.stats_path, stats, prepared.fingerprint, spec.bins, fingerprint.hexdigest()
-    )
-    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
+    stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, fingerprint.hexdigest())
+    commit_files({recipe.stats_path: stats_bytes, recipe.float_model_path: prepared.serialized})
     return stats
 
 
@@ -179,8 +177,6 @@ def quantize(
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
     verification = verify(serialized, layout.plan, _verify_feeds(recipe), cpu)
-    atomic_write_bytes(recipe.quant_model_path, serialized)
-    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {
         "float_model": str(recipe.float_model_path),
@@ -190,7 +186,13 @@ def quantize(
     report = build_report(
         recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
     )
-    write_report(recipe.report_path, report)
+    commit_files(
+        {
+            recipe.quant_model_path: serialized,
+            recipe.float_model_path: prepared.serialized,
+            recipe.report_path: report_bytes(report),
+        }
+    )
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )

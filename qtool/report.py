@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from qtool import __version__
-from qtool.io import atomic_write_text
+from qtool.io import atomic_write_bytes
 from qtool.quantize.layout import Layout
 from qtool.quantize.params import ActivationParams, WeightParams
 from qtool.recipe import Recipe
@@ -130,5 +130,10 @@ def build_report(
     }
 
 
+def report_bytes(report: dict) -> bytes:
+    """report.json's content, for committing it together with the models it describes."""
+    return (json.dumps(report, indent=2, sort_keys=False) + "\n").encode("utf-8")
+
+
 def write_report(path: Path, report: dict) -> None:
-    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=False) + "\n")
+    atomic_write_bytes(path, report_bytes(report))

@@ -430,3 +430,147 @@ def test_session_on_a_too_new_file_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="IR version") as info:
         create_session(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+# --- 5. disk full: outputs committed together; stale temporaries cleaned -------------------------
+
+
+def _fail_on_call(monkeypatch, target, name: str, failing_call: int) -> list[int]:
+    """Make `target.name` raise ENOSPC on its `failing_call`-th call (1-based)."""
+    import errno
+
+    real = getattr(target, name)
+    calls = [0]
+
+    def patched(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, patched)
+    return calls
+
+
+def _temporaries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob(".*.tmp")) if folder.exists() else []
+
+
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_commit_files_writes_all_or_nothing(tmp_path: Path, monkeypatch, where: str) -> None:
+    import os
+
+    from qtool.errors import OutputError
+    from qtool.io import commit_files
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "b.bin").write_bytes(b"previous b")  # an earlier run's output, to be kept intact
+    files = {out / "a.bin": b"new a", out / "b.bin": b"new b", out / "c.bin": b"new c"}
+    calls = _fail_on_call(monkeypatch, os, where, failing_call=2)
+    with pytest.raises(OutputError, match="No space left on device") as info:
+        commit_files(files)
+    assert calls[0] >= 2
+    assert "none of this run's 3 outputs were written" in str(info.value)
+    assert str(out / "b.bin") in str(info.value)
+    assert sorted(p.name for p in out.iterdir()) == ["b.bin"]
+    assert (out / "b.bin").read_bytes() == b"previous b"
+    monkeypatch.undo()
+    commit_files(files)
+    assert {p: p.read_bytes() for p in files} == files
+    assert _temporaries(out) == []
+
+
+def test_commit_files_rolls_back_without_hard_links(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    from qtool.errors import OutputError
+    from qtool.io import commit_files
+
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+
+    def no_links(*_args, **_kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    real_replace = os.replace
+    renamed: list[bytes] = []
+
+    def replace(src, dst):
+        """Moving aside and renaming a.bin succeed; the first rename into b.bin fails."""
+        if Path(src).name.startswith(".b.bin") and Path(dst).name == "b.bin" and not renamed:
+            renamed.append((Path(dst).parent / "a.bin").read_bytes())
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OutputError):
+        commit_files({tmp_path / "a.bin": b"new a", tmp_path / "b.bin": b"new b"})
+    assert renamed == [b"new a"]  # b.bin failed after a.bin was replaced; a.bin is restored
+    assert (tmp_path / "a.bin").read_bytes() == b"old a"
+    assert (tmp_path / "b.bin").read_bytes() == b"old b"
+    assert _temporaries(tmp_path) == []
+
+
+def test_calibrate_on_a_full_disk_leaves_no_outputs(tmp_path: Path, monkeypatch, cli) -> None:
+    import os
+
+    recipe = _onnx_recipe(tmp_path, _gemm_model(ir_version=8))
+    out = tmp_path / "out"
+    _fail_on_call(monkeypatch, os, "fsync", failing_call=2)  # stats.npz is written, fp32 fails
+    result = cli("calibrate", recipe, "-o", out, "--no-progress")
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "No space left on device" in line and str(out / "model.fp32.onnx") in line
+    assert list(out.iterdir()) == []
+
+
+def test_quantize_on_a_full_disk_keeps_the_previous_outputs(
+    tmp_path: Path, monkeypatch, cli
+) -> None:
+    import os
+
+    recipe = _onnx_recipe(tmp_path, _gemm_model(ir_version=8))
+    out = tmp_path / "out"
+    assert cli("calibrate", recipe, "-o", out, "--no-progress").exit_code == 0
+    stats = out / "stats.npz"
+    first = cli("quantize", recipe, "--stats", stats, "-o", out, "--no-progress")
+    assert first.exit_code == 0, first.output
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["model.fp32.onnx", "model.int8.onnx", "report.json", "stats.npz"]
+    _fail_on_call(monkeypatch, os, "replace", failing_call=3)  # the report's rename
+    result = cli("quantize", recipe, "--stats", stats, "-o", out, "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "none of this run's 3 outputs were written" in result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_stale_temporaries_of_killed_runs_are_removed(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from qtool.io import STALE_AFTER_S, atomic_write_bytes
+
+    # A pid that is certainly dead: a child that has exited and been reaped.
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = int(child.stdout)
+    alive = os.getppid()
+    dead_tmp = tmp_path / f".model.int8.onnx.qtool{dead}.abcd1234.tmp"
+    old_tmp = tmp_path / f".stats.npz.qtool{alive}.zz9_0000.tmp"
+    fresh_tmp = tmp_path / f".report.json.qtool{alive}.k2x9a8b1.tmp"  # a concurrent writer's
+    other = [tmp_path / ".model.int8.onnx.abcd1234.tmp", tmp_path / "notes.tmp"]  # not qtool's
+    for path in (dead_tmp, old_tmp, fresh_tmp, *other):
+        path.write_bytes(b"partial")
+    hour_ago = time.time() - STALE_AFTER_S - 60
+    os.utime(old_tmp, (hour_ago, hour_ago))
+    atomic_write_bytes(tmp_path / "report.json", b"{}\n")
+    assert not dead_tmp.exists() and not old_tmp.exists()
+    assert fresh_tmp.exists() and all(p.exists() for p in other)
+    assert (tmp_path / "report.json").read_bytes() == b"{}\n"

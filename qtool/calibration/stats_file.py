@@ -29,6 +29,16 @@ def save_stats(
     data_sha256: str | None = None,
 ) -> None:
     """`data_sha256` fingerprints the calibration batches, for the quantized model's provenance."""
+    atomic_write_bytes(path, stats_file_bytes(stats, model_fingerprint, bins, data_sha256))
+
+
+def stats_file_bytes(
+    stats: list[TensorStats],
+    model_fingerprint: str,
+    bins: int,
+    data_sha256: str | None = None,
+) -> bytes:
+    """The stats file's content, for callers that commit it together with other outputs."""
     index = {
         "format": FORMAT,
         "model_sha256": model_fingerprint,
@@ -53,7 +63,7 @@ def save_stats(
             array_bytes = io.BytesIO()
             np.save(array_bytes, np.ascontiguousarray(s.counts, dtype=np.int64))
             _write_member(archive, f"counts_{i}.npy", array_bytes.getvalue())
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def _write_member(archive: zipfile.ZipFile, name: str, data: bytes) -> None:
