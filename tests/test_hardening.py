@@ -574,3 +574,117 @@ def test_stale_temporaries_of_killed_runs_are_removed(tmp_path: Path) -> None:
     assert not dead_tmp.exists() and not old_tmp.exists()
     assert fresh_tmp.exists() and all(p.exists() for p in other)
     assert (tmp_path / "report.json").read_bytes() == b"{}\n"
+
+
+# --- 6. tampered stats files ---------------------------------------------------------------------
+
+
+def _real_stats_file(path: Path, bins: int = 256) -> None:
+    """A stats file as calibration writes it: observers fed real (random) activations."""
+    import numpy as np
+
+    from qtool.calibration.observers import HistogramObserver
+    from qtool.calibration.stats_file import save_stats
+
+    rng = np.random.default_rng(0)
+    stats = []
+    for name in ("conv1_out", "relu_out"):
+        observer = HistogramObserver(name, bins * 2)
+        for _ in range(3):
+            observer.update(rng.standard_normal((4, 16)).astype(np.float32) * 3)
+        stats.append(observer.result())
+    save_stats(path, stats, "f" * 64, bins, "d" * 64)
+
+
+def _rewrite(path: Path, index_edit=None, counts_edit=None) -> None:
+    """Rewrite a stats zip with its index (a dict) and/or second tensor's counts changed."""
+    import io
+    import json
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    index = json.loads(members["index.json"])
+    if index_edit is not None:
+        index_edit(index)
+    members["index.json"] = json.dumps(index).encode()
+    if counts_edit is not None:
+        member = index["tensors"][1]["counts"]
+        buffer = io.BytesIO()
+        np.save(buffer, counts_edit(np.load(io.BytesIO(members[member]))))
+        members[member] = buffer.getvalue()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def _set(key: str, value):
+    def edit(index: dict) -> None:
+        index["tensors"][1][key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("index_edit", "counts_edit", "words"),
+    [
+        (None, lambda c: c[:-2], "histogram has shape [510], but the file's bins (256) make 512"),
+        (None, lambda c: c.reshape(2, -1), "histogram has shape [2, 256]"),
+        (None, lambda c: c.astype("float64"), "non-negative integers, got dtype float64"),
+        (None, lambda c: c - 1, "non-negative integers"),
+        (_set("min", float("nan")), None, "min is nan"),
+        (_set("max", float("inf")), None, "max is inf"),
+        (_set("half_range", float("-inf")), None, "half_range is -inf"),
+        (_set("half_range", 0.5), None, "half-range 0.5 does not cover"),
+        (_set("min", 1e9), None, "is above max"),
+        (_set("min", "low"), None, "min must be a number, got 'low'"),
+        (_set("samples", 0), None, "samples must be a positive integer"),
+    ],
+)
+def test_tampered_stats_file_is_refused_naming_file_and_tensor(
+    tmp_path: Path, index_edit, counts_edit, words: str
+) -> None:
+    from qtool.calibration.stats_file import load_stats
+    from qtool.errors import CalibrationError
+
+    path = tmp_path / "stats.npz"
+    _real_stats_file(path)
+    load_stats(path)  # the untouched file loads
+    _rewrite(path, index_edit, counts_edit)
+    with pytest.raises(CalibrationError) as info:
+        load_stats(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: tensor 'relu_out': ") and words in message, message
+
+
+def test_stats_file_index_bins_must_match_what_observers_make(tmp_path: Path) -> None:
+    from qtool.calibration.stats_file import load_stats
+    from qtool.errors import CalibrationError
+
+    path = tmp_path / "stats.npz"
+    _real_stats_file(path)
+
+    def double_bins(index: dict) -> None:
+        index["bins"] = 512
+
+    _rewrite(path, double_bins)
+    with pytest.raises(CalibrationError, match=r"tensor 'conv1_out': histogram has shape \[512\]"):
+        load_stats(path)
+    _rewrite(path, lambda index: index.update(bins=None))
+    with pytest.raises(CalibrationError, match="bins must be an even integer, got None"):
+        load_stats(path)
+
+
+def test_tampered_stats_through_quantize_exit_2(tmp_path: Path, cli) -> None:
+    recipe = _onnx_recipe(tmp_path, _gemm_model(ir_version=8))
+    out = tmp_path / "out"
+    assert cli("calibrate", recipe, "-o", out, "--no-progress").exit_code == 0
+    stats = out / "stats.npz"
+    _rewrite(stats, _set("max", float("nan")))
+    result = cli("quantize", recipe, "--stats", stats, "-o", out, "--no-progress")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert str(stats) in line and "max is nan" in line
+    assert not (out / "model.int8.onnx").exists()
