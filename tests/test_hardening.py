@@ -688,3 +688,73 @@ def test_tampered_stats_through_quantize_exit_2(tmp_path: Path, cli) -> None:
     (line,) = result.stderr.strip().splitlines()
     assert str(stats) in line and "max is nan" in line
     assert not (out / "model.int8.onnx").exists()
+
+
+# --- 7. help and doctor --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["calibrate"], ["quantize"], ["evaluate"], ["doctor"]])
+def test_help_shows_no_type_for_flags(cli, command: list[str]) -> None:
+    result = cli(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "--help" in result.stdout and "<bool>" not in result.stdout
+    if command:
+        assert "--progress" in result.stdout or command == ["doctor"]
+    if command == ["quantize"]:
+        assert "<path>" in result.stdout  # options that take a value keep their type
+
+
+_SESSION_ON = """
+import sys
+import onnxruntime
+session = onnxruntime.InferenceSession(sys.stdin.buffer.read(), providers=[sys.argv[1]])
+print(session.get_providers()[0])
+"""
+
+
+def _provider_used(provider: str) -> bool:
+    """Independently of qtool: does a session asked for `provider` really run on it? (In a child
+    process: a GPU provider without its libraries may abort the process.)"""
+    import subprocess
+    import sys
+
+    model = _gemm_model(ir_version=8).SerializeToString()
+    child = subprocess.run(
+        [sys.executable, "-c", _SESSION_ON, provider], input=model, capture_output=True
+    )
+    return child.returncode == 0 and child.stdout.decode().split() == [provider]
+
+
+def test_doctor_says_which_providers_can_run(cli) -> None:
+    import onnxruntime
+
+    result = cli("doctor")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    (running_line,) = [line for line in lines if line.startswith("ORT providers that run here:")]
+    running = running_line.split(":", 1)[1].strip().split(", ")
+    assert "CPUExecutionProvider" in running
+    for provider in onnxruntime.get_available_providers():
+        if provider in running:
+            assert provider == "CPUExecutionProvider" or _provider_used(provider), provider
+        else:
+            (line,) = [line for line in lines if line.startswith(f"ORT provider {provider}:")]
+            assert "cannot run here (" in line
+            assert not _provider_used(provider), provider
+
+
+def test_provider_probe_reports_errors_and_crashes(monkeypatch) -> None:
+    import onnxruntime
+
+    from qtool import ort_session
+
+    real = onnxruntime.get_available_providers
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers", lambda: [*real(), "BogusExecutionProvider"]
+    )
+    status = ort_session.provider_status()
+    assert status["CPUExecutionProvider"] == "runs"
+    assert status["BogusExecutionProvider"].startswith("cannot run here (")
+    monkeypatch.setattr(ort_session, "_PROBE_SCRIPT", "import os; os.abort()")
+    status = ort_session.provider_status()
+    assert status["BogusExecutionProvider"].startswith("cannot run here (loading it crashed")
