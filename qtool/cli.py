@@ -6,6 +6,7 @@ scripts can tell bad input (2) from a failed accuracy gate (1) and from success 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -59,6 +60,37 @@ OutputOpt = Annotated[
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 
+@contextlib.contextmanager
+def _phase_display(enabled: bool):
+    """Show the pipeline's current phase (qtool/phases.py) as a spinner line while it runs.
+
+    It draws on rich's global console, the one the calibration and evaluation progress bars use,
+    and each phase ends before such a bar starts, so the two never fight over the terminal. On a
+    non-terminal (CI logs) the transient status prints nothing.
+    """
+    if not enabled:
+        yield
+        return
+    import rich
+
+    from qtool.phases import listening
+
+    status = rich.get_console().status("", spinner="dots")
+
+    def show(name: str | None) -> None:
+        if name is None:
+            status.stop()
+        else:
+            status.start()
+            status.update(f"{name}...")  # renders at once, not at the next spinner tick
+
+    try:
+        with listening(show):
+            yield
+    finally:
+        status.stop()
+
+
 def user_errors(command):
     """Print a QtoolError as one line and exit 2; anything else is a bug and keeps its traceback."""
 
@@ -105,8 +137,9 @@ def calibrate(
     from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    prepared = prepare(loaded)
-    stats = run_calibrate(loaded, prepared, progress=progress)
+    with _phase_display(progress):
+        prepared = prepare(loaded)
+        stats = run_calibrate(loaded, prepared, progress=progress)
     samples = max((s.samples for s in stats), default=0)
     console.print(
         f"calibrated {len(stats)} tensors on {samples} samples -> {loaded.stats_path}",
@@ -129,7 +162,8 @@ def quantize(
     from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    result = run_quantize(loaded, stats, progress=progress)
+    with _phase_display(progress):
+        result = run_quantize(loaded, stats, progress=progress)
     summary = result.report["summary"]
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from qtool.errors import ModelError, first_line
+from qtool.phases import phase
 from qtool.recipe import InputSpec, ModelSpec
 
 _ONNX_DTYPES = {
@@ -147,6 +148,11 @@ def fit_ir_version(model: onnx.ModelProto, source: str) -> None:
 
 def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
     """Build the module from its factory, load the state_dict safely, export to ONNX in memory."""
+    with phase("exporting PyTorch model"):  # importing torch alone takes seconds
+        return _export_pytorch(spec, inputs)
+
+
+def _export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
     import torch
 
     factory = load_entry_point(spec.pytorch, "model factory")

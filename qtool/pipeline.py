@@ -27,6 +27,7 @@ from qtool.evaluate import EvalResult, evaluate_models
 from qtool.io import commit_files
 from qtool.models import load_model
 from qtool.ort_session import create_session
+from qtool.phases import phase
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
 from qtool.quantize.prepare import prepare_model, tensor_types
@@ -72,7 +73,9 @@ def _source_sha256(recipe: Recipe) -> str:
 
 def prepare(recipe: Recipe) -> PreparedModel:
     """Load, export if needed, prepare, and plan the QDQ layout (nothing is written yet)."""
-    model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=recipe.model.opset)
+    loaded = load_model(recipe.model, recipe.inputs)
+    with phase("preparing graph"):
+        model = prepare_model(loaded, min_opset=recipe.model.opset)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -176,7 +179,8 @@ def quantize(
         create_session(serialized)
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
-    verification = verify(serialized, layout.plan, _verify_feeds(recipe), cpu)
+    with phase("verifying what ONNX Runtime runs"):
+        verification = verify(serialized, layout.plan, _verify_feeds(recipe), cpu)
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {
         "float_model": str(recipe.float_model_path),

@@ -758,3 +758,70 @@ def test_provider_probe_reports_errors_and_crashes(monkeypatch) -> None:
     monkeypatch.setattr(ort_session, "_PROBE_SCRIPT", "import os; os.abort()")
     status = ort_session.provider_status()
     assert status["BogusExecutionProvider"].startswith("cannot run here (loading it crashed")
+
+
+# --- 8. phases shown while work happens ----------------------------------------------------------
+
+PHASES = [
+    "exporting PyTorch model",
+    "preparing graph",
+    "calibrating: loading the model into ONNX Runtime",
+    "verifying what ONNX Runtime runs",
+]
+
+
+def _tiny_torch_recipe(folder: Path) -> Path:
+    import torch
+
+    from qtool.models import load_entry_point
+
+    (folder / "tiny.py").write_text(TINY_MODEL)
+    make = load_entry_point(f"{folder / 'tiny.py'}:make", "model factory")
+    torch.manual_seed(0)
+    weights = folder / "tiny.pt"
+    torch.save(make().state_dict(), weights)
+    return _torch_recipe(folder, weights)
+
+
+def test_pipeline_reports_each_phase_in_order(tmp_path: Path) -> None:
+    from qtool.phases import listening
+    from qtool.pipeline import quantize
+
+    recipe = load_recipe(_tiny_torch_recipe(tmp_path), tmp_path / "out")
+    seen: list[str | None] = []
+    with listening(seen.append):
+        quantize(recipe, progress=False)
+    assert seen == [item for name in PHASES for item in (name, None)]
+    assert (tmp_path / "out" / "model.int8.onnx").is_file()
+
+
+def test_phases_are_silent_without_a_listener(tmp_path: Path, capsys) -> None:
+    from qtool.models import export_pytorch
+
+    recipe = load_recipe(_tiny_torch_recipe(tmp_path))
+    export_pytorch(recipe.model, recipe.inputs)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_cli_shows_the_phases_on_a_terminal(tmp_path: Path, cli, monkeypatch) -> None:
+    import io
+
+    import rich
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(rich, "_console", Console(file=screen, force_terminal=True, width=100))
+    recipe = _tiny_torch_recipe(tmp_path)
+    result = cli("quantize", recipe, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    drawn = screen.getvalue()
+    positions = [drawn.find(f"{name}...") for name in PHASES]
+    assert -1 not in positions and positions == sorted(positions), positions
+    bar = drawn.find("samples", positions[2])  # the calibration bar: after its phase ends
+    assert positions[2] < bar < positions[3]
+
+    screen.truncate(0)
+    screen.seek(0)
+    quiet = cli("quantize", recipe, "-o", tmp_path / "out2", "--no-progress")
+    assert quiet.exit_code == 0 and screen.getvalue() == ""
