@@ -6,6 +6,7 @@ scripts can tell bad input (2) from a failed accuracy gate (1) and from success 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -15,11 +16,34 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from qtool import __version__
 from qtool.errors import QtoolError
 
+
+def _hide_flag_types(command, ctx) -> None:
+    """Typer's rich help prints a type column, which for a flag (--version, --help, --progress)
+    is a meaningless `<bool>`: an empty metavar leaves that cell blank."""
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+class _Group(TyperGroup):
+    def format_help(self, ctx, formatter) -> None:
+        _hide_flag_types(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+class _Command(TyperCommand):
+    def format_help(self, ctx, formatter) -> None:
+        _hide_flag_types(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="qtool",
     help="Post-training quantization of ONNX and PyTorch models to INT8 QDQ ONNX.",
     no_args_is_help=True,
@@ -34,6 +58,37 @@ OutputOpt = Annotated[
     Path | None, typer.Option("--output-dir", "-o", help="Override the recipe's output.dir.")
 ]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+
+
+@contextlib.contextmanager
+def _phase_display(enabled: bool):
+    """Show the pipeline's current phase (qtool/phases.py) as a spinner line while it runs.
+
+    It draws on rich's global console, the one the calibration and evaluation progress bars use,
+    and each phase ends before such a bar starts, so the two never fight over the terminal. On a
+    non-terminal (CI logs) the transient status prints nothing.
+    """
+    if not enabled:
+        yield
+        return
+    import rich
+
+    from qtool.phases import listening
+
+    status = rich.get_console().status("", spinner="dots")
+
+    def show(name: str | None) -> None:
+        if name is None:
+            status.stop()
+        else:
+            status.start()
+            status.update(f"{name}...")  # renders at once, not at the next spinner tick
+
+    try:
+        with listening(show):
+            yield
+    finally:
+        status.stop()
 
 
 def user_errors(command):
@@ -59,13 +114,19 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def main(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version_callback, is_eager=True)
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version_callback,
+            is_eager=True,
+            help="Show the version and exit.",
+        ),
     ] = False,
 ) -> None:
     """qtool: calibrate, quantize and evaluate INT8 QDQ ONNX models from a YAML recipe."""
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def calibrate(
     recipe: RecipeArg, output_dir: OutputOpt = None, progress: ProgressOpt = True
@@ -76,8 +137,9 @@ def calibrate(
     from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    prepared = prepare(loaded)
-    stats = run_calibrate(loaded, prepared, progress=progress)
+    with _phase_display(progress):
+        prepared = prepare(loaded)
+        stats = run_calibrate(loaded, prepared, progress=progress)
     samples = max((s.samples for s in stats), default=0)
     console.print(
         f"calibrated {len(stats)} tensors on {samples} samples -> {loaded.stats_path}",
@@ -85,7 +147,7 @@ def calibrate(
     )
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def quantize(
     recipe: RecipeArg,
@@ -100,7 +162,8 @@ def quantize(
     from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    result = run_quantize(loaded, stats, progress=progress)
+    with _phase_display(progress):
+        result = run_quantize(loaded, stats, progress=progress)
     summary = result.report["summary"]
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "
@@ -122,7 +185,7 @@ def quantize(
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def evaluate(
     recipe: Annotated[
@@ -334,22 +397,28 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
     return iter_batches(spec, tuple(inputs), batch_size, shapes_from=f"{model_path}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor() -> None:
     """Show versions and which compiled kernel backends and ONNX Runtime providers are usable."""
     import onnx
     import onnxruntime
 
     from qtool import kernels
+    from qtool.ort_session import provider_status
     from qtool.runtime.cpu import detect_cpu
 
     console.print(f"qtool {__version__} (python {sys.version.split()[0]})", highlight=False)
     console.print(
         f"onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}", highlight=False
     )
-    console.print(
-        f"ORT providers: {', '.join(onnxruntime.get_available_providers())}", highlight=False
-    )
+    providers = provider_status()
+    running = [name for name, state in providers.items() if state == "runs"]
+    console.print(f"ORT providers that run here: {', '.join(running)}", highlight=False)
+    for name, state in providers.items():
+        if state != "runs":
+            console.print(
+                f"ORT provider {name}: {state}", highlight=False, markup=False, soft_wrap=True
+            )
     for name, state in kernels.backends().items():
         console.print(f"kernels[{name}]: {state}", highlight=False, markup=False)
     console.print(f"default device: {kernels.default_device()}", highlight=False)

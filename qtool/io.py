@@ -1,35 +1,157 @@
-"""Atomic file output: a crash or a bad input never leaves a half-written model or report."""
+"""Atomic file output: a crash or a bad input never leaves a half-written model or report.
+
+One command's outputs are committed together (`commit_files`): every file is written and fsynced
+to a temporary file beside its target first, and only when all of them are on disk are they
+renamed into place, so a full disk leaves none of them. Temporary files carry the writer's pid
+(`.model.int8.onnx.qtool1234.k2x9a8b1.tmp`) so that the next run can tell a killed run's leftovers
+from a concurrent writer's files and remove them.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import tempfile
+import time
 from pathlib import Path
 
 from qtool.errors import OutputError
 
+# Temporary files qtool itself names: ".{target name}.qtool{pid}.{mkstemp's 8 characters}.tmp".
+_TEMP_NAME = re.compile(r"^\..+\.qtool(\d+)\.[a-z0-9_]{8}\.tmp$")
+# A temporary file this old is stale even when its pid is alive again (pids are reused).
+STALE_AFTER_S = 3600.0
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the target folder, then rename it into place."""
-    path = Path(path)
+
+def _fail(path: Path, exc: OSError, count: int = 1) -> OutputError:
+    kept = f"; none of this run's {count} outputs were written" if count > 1 else ""
+    return OutputError(f"{path}: cannot write output ({exc.strerror or exc}){kept}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot write output ({exc.strerror or exc})") from None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path, now: float | None = None) -> list[Path]:
+    """Delete qtool temporary files in `folder` left by killed runs: their writer's pid is gone,
+    or they are older than STALE_AFTER_S. Files of any other name are never touched."""
+    removed: list[Path] = []
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
+            if old or not _pid_alive(int(match.group(1))):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # raced with another cleaner, or not ours to delete: leave it
+            continue
+    return removed
+
+
+def _write_temporary(path: Path, data: bytes) -> Path:
+    """Write `data` durably to a new temporary file beside `path`; return its path."""
+    fd, name = tempfile.mkstemp(
+        prefix=f".{path.name}.qtool{os.getpid()}.", suffix=".tmp", dir=path.parent
+    )
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, path)
-    except BaseException as exc:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        if isinstance(exc, OSError):
-            raise OutputError(f"{path}: cannot write output ({exc.strerror or exc})") from None
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def commit_files(files: dict[Path, bytes]) -> None:
+    """Write all of `files` or none of them.
+
+    Phase 1 writes every file to a temporary beside its target (the step a full disk fails);
+    phase 2 renames them into place. Should a rename fail midway, the targets already replaced
+    get their previous content back (kept as a hard link, or renamed aside where the filesystem
+    has no hard links) and new ones are removed, so the folder is as it was before the call.
+    """
+    targets = [Path(p) for p in files]
+    written: dict[Path, Path] = {}
+    current: Path | None = None
+    try:
+        for folder in dict.fromkeys(p.parent for p in targets):
+            current = folder
+            folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(folder)
+        for path in targets:
+            current = path
+            written[path] = _write_temporary(path, files[path])
+        current = None
+        _rename_all(written)
+    except BaseException as exc:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _fail(current or targets[0], exc, len(targets)) from None
+        raise
+
+
+def _backup(path: Path) -> Path | None:
+    """Keep `path`'s current content under a temporary name (None when there is none)."""
+    if not path.exists():
+        return None
+    backup = path.parent / f".{path.name}.qtool{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.link(path, backup)
+    except OSError:  # no hard links here (FAT, some network filesystems): move it aside
+        os.replace(path, backup)
+    return backup
+
+
+def _rename_all(written: dict[Path, Path]) -> None:
+    backups = {path: _backup(path) for path in written}
+    done: list[Path] = []
+    try:
+        for path, tmp in written.items():
+            os.replace(tmp, path)
+            done.append(path)
+    except OSError as exc:
+        failed = next(p for p in written if p not in done)
+        for path, backup in backups.items():
+            try:
+                if backup is None:
+                    if path in done:
+                        path.unlink(missing_ok=True)
+                elif path in done or not path.exists():  # replaced, or moved aside: restore
+                    os.replace(backup, path)
+                else:
+                    backup.unlink(missing_ok=True)
+            except OSError:  # best effort: the first error is the one to report
+                continue
+        raise _fail(failed, exc, len(written)) from None
+    for backup in backups.values():
+        if backup is not None:
+            backup.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write one file atomically (a temporary file in the target folder, then a rename)."""
+    commit_files({Path(path): data})
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import pickletools
+import re
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from qtool.errors import ModelError, first_line
+from qtool.phases import phase
 from qtool.recipe import InputSpec, ModelSpec
 
 _ONNX_DTYPES = {
@@ -70,11 +74,85 @@ def load_model(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProt
         model = export_pytorch(spec, inputs)
         source = spec.pytorch or "pytorch model"
     check_inputs(model, inputs, source)
+    fit_ir_version(model, source)
     return model
+
+
+# Element types newer than IR 8 and the IR version that added each (onnx.proto's history).
+_TYPE_IR = {
+    name: version
+    for version, names in (
+        (9, ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")),
+        (10, ("UINT4", "INT4")),
+        (11, ("FLOAT4E2M1",)),
+        (12, ("FLOAT8E8M0",)),
+        (13, ("UINT2", "INT2")),
+        (14, ("FLOAT6E2M3", "FLOAT6E3M2")),
+    )
+    for name in names
+}
+
+
+def _graph_types(graph: onnx.GraphProto) -> set[int]:
+    """Every element type a graph (and its subgraphs) declares, stores or casts to."""
+    found = {init.data_type for init in graph.initializer}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            found.add(value.type.tensor_type.elem_type)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.type == onnx.AttributeProto.INT:
+                found.add(attr.i)
+            if attr.HasField("t"):
+                found.add(attr.t.data_type)
+            if attr.HasField("g"):
+                found |= _graph_types(attr.g)
+            for sub in attr.graphs:
+                found |= _graph_types(sub)
+    return found
+
+
+def required_ir_version(model: onnx.ModelProto) -> tuple[int, str]:
+    """The oldest IR version that can express `model`, and what needs it (for messages)."""
+    version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    reason = "its opsets"
+    for elem in sorted(_graph_types(model.graph)):
+        name = onnx.TensorProto.DataType.Name(elem) if elem else ""
+        if _TYPE_IR.get(name, 0) > version:
+            version, reason = _TYPE_IR[name], f"element type {name}"
+    if model.functions and version < 8:
+        version, reason = 8, "model-local functions"
+    return version, reason
+
+
+def fit_ir_version(model: onnx.ModelProto, source: str) -> None:
+    """Lower the IR version to one the installed onnxruntime loads, when the model needs no newer
+    feature: the installed onnx package writes a newer IR version than the ORT release beside it
+    reads (onnx 1.23 writes 14, ORT 1.31 reads up to 13), so a model fresh from onnx.helper would
+    otherwise be refused by every session qtool opens, and so would qtool's own outputs."""
+    from qtool.ort_session import max_ir_version
+
+    newest = max_ir_version()
+    if model.ir_version <= newest:
+        return
+    required, reason = required_ir_version(model)
+    if required > newest:
+        import onnxruntime
+
+        raise ModelError(
+            f"{source}: needs ONNX IR version {required} (for {reason}), but the installed "
+            f"onnxruntime {onnxruntime.__version__} reads IR <= {newest}"
+        )
+    model.ir_version = newest
 
 
 def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
     """Build the module from its factory, load the state_dict safely, export to ONNX in memory."""
+    with phase("exporting PyTorch model"):  # importing torch alone takes seconds
+        return _export_pytorch(spec, inputs)
+
+
+def _export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
     import torch
 
     factory = load_entry_point(spec.pytorch, "model factory")
@@ -85,11 +163,7 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
     if not isinstance(module, torch.nn.Module):
         raise ModelError(f"{spec.pytorch}: factory returned {type(module).__name__}, not nn.Module")
     if spec.weights is not None:
-        try:
-            state = torch.load(str(spec.weights), map_location="cpu", weights_only=True)
-            module.load_state_dict(state)
-        except Exception as exc:
-            raise ModelError(f"{spec.weights}: cannot load weights: {first_line(exc)}") from None
+        load_weights(module, spec.weights)
     module.eval()
     examples = tuple(torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs)
     names = [i.name for i in inputs]
@@ -118,6 +192,109 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
     except Exception as exc:
         raise ModelError(f"{spec.pytorch}: export to ONNX failed: {first_line(exc)}") from None
     return onnx.load_from_string(buffer.getvalue())
+
+
+# torch names the global a refused pickle wanted: "GLOBAL posix.system", "GLOBAL model.DigitsCNN".
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_LISTED = 4  # keys named in a mismatch message; the rest are counted
+
+
+_SCANNED_BYTES = 1 << 20
+
+
+def _foreign_import(path: Path) -> str | None:
+    """The first non-torch global a raw pickle imports, read from its opcodes without running
+    them: torch's loader stops at the first opcode it does not know (protocol 4 framing) before
+    it reaches the global, so its message cannot say why the file is dangerous."""
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_SCANNED_BYTES)
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name == "GLOBAL":
+                name = str(arg).replace(" ", ".")
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                name = f"{strings[-2]}.{strings[-1]}"
+            else:
+                if isinstance(arg, str):
+                    strings.append(arg)
+                continue
+            if not name.startswith(("torch.", "collections.OrderedDict")):
+                return name
+    except Exception:  # not a pickle, or cut off at the scan limit: nothing (more) to name
+        pass
+    return None
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_LISTED])
+    return shown + (f", ... {len(keys) - _LISTED} more" if len(keys) > _LISTED else "")
+
+
+def load_weights(module, path: Path) -> None:
+    """Load a state_dict file into `module`, tensors only, with one line naming what is wrong.
+
+    torch.load(weights_only=True) refuses pickles that would run code, but its messages span
+    paragraphs, come with warnings, and advise weights_only=False, which would run that code: a
+    tool must never pass that on. load_state_dict's mismatch report is many lines too, so the
+    keys and shapes are compared here first.
+    """
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        refused = _REFUSED_GLOBAL.search(str(exc))
+        imported = refused.group(1) if refused is not None else _foreign_import(path)
+        if imported is not None:
+            raise ModelError(
+                f"{path}: refused: loading it would import {imported}; weights files may "
+                "hold only tensors (save them with torch.save(model.state_dict(), path))"
+            ) from None
+        raise ModelError(
+            f"{path}: not a PyTorch state_dict file ({type(exc).__name__}); "
+            "write one with torch.save(model.state_dict(), path)"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise ModelError(
+            f"{path}: holds a {type(state).__name__}, not a state_dict (a mapping of names to "
+            "tensors)"
+        )
+    others = [str(k) for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if others:
+        raise ModelError(
+            f"{path}: not a state_dict: {len(others)} entries are not tensors ({_some(others)}); "
+            "a training checkpoint? save model.state_dict() instead"
+        )
+    expected = module.state_dict()
+    architecture = type(module).__name__
+    missing = [k for k in expected if k not in state]
+    unexpected = [str(k) for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing keys ({_some(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected keys ({_some(unexpected)})")
+        raise ModelError(
+            f"{path}: weights for another architecture than {architecture}: " + ", ".join(parts)
+        )
+    shapes = [
+        f"{k} {list(state[k].shape)} vs {list(v.shape)}"
+        for k, v in expected.items()
+        if tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if shapes:
+        raise ModelError(
+            f"{path}: {len(shapes)} tensors do not fit {architecture} (file vs model): "
+            + _some(shapes)
+        )
+    try:
+        module.load_state_dict(state)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot load weights: {first_line(exc)}") from None
 
 
 def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:

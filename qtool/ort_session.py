@@ -9,10 +9,16 @@ become `ModelError` naming the file, because ORT's own messages bury the path in
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import onnx
 import onnxruntime
+from onnx import TensorProto, helper
 
 from qtool.errors import ModelError, first_line
 
@@ -70,6 +76,42 @@ def _resolve_providers(providers: list[str] | None) -> list[str]:
     return list(providers)
 
 
+# The oldest IR version qtool asks for: opset 17, its minimum opset, needs IR 8.
+_OLDEST_IR = 8
+
+
+@functools.cache
+def max_ir_version() -> int:
+    """The newest ONNX IR version the installed onnxruntime loads.
+
+    The installed onnx package stamps its own (newer) IR version on every model it builds, and ORT
+    refuses any IR version above the one it was built with, but has no API that says which one
+    that is; so it is probed with a one-node model, a millisecond per candidate.
+    """
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "ir_probe",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = _session_options(threads=1, optimize=False)
+    for version in range(max(onnx.IR_VERSION, _OLDEST_IR), _OLDEST_IR - 1, -1):
+        probe.ir_version = version
+        try:
+            onnxruntime.InferenceSession(
+                probe.SerializeToString(), sess_options=options, providers=[CPU_PROVIDER]
+            )
+        except Exception:  # ORT's private exception types; the next older version is tried
+            continue
+        return version
+    raise ModelError(
+        f"onnxruntime {onnxruntime.__version__} loads no model of IR version {_OLDEST_IR} to "
+        f"{onnx.IR_VERSION}: the installation is broken"
+    )
+
+
 def create_session(
     model: str | Path | bytes,
     *,
@@ -109,3 +151,86 @@ def create_session(
             f"(active: {', '.join(active)})"
         )
     return session
+
+
+# Run in a child process per provider: loading a GPU provider's library can abort the process
+# (missing CUDA libraries, driver mismatch), and ORT falls back to the CPU without raising.
+_PROBE_SCRIPT = """
+import json, sys
+import onnxruntime
+provider = sys.argv[1]
+try:
+    session = onnxruntime.InferenceSession(sys.stdin.buffer.read(), providers=[provider])
+    print(json.dumps({"active": session.get_providers()}))
+except Exception as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MISSING_LIBRARY = re.compile(r"(lib[\w.+-]+?\.so[\w.]*): cannot open shared object file")
+
+
+def _probe_reason(stderr: str, error: str | None) -> str:
+    """Why a provider did not start, in a few words from ORT's own log lines."""
+    text = _ANSI.sub("", stderr) + "\n" + (error or "")
+    missing = _MISSING_LIBRARY.search(text)
+    if missing is not None:
+        return f"{missing.group(1)} not found"
+    for line in text.splitlines():
+        line = _ORT_SOURCE.sub(" ", _ORT_STATUS.sub("", line.strip()))
+        if line.startswith(("[E:", "[W:")):
+            line = line.split("] ", 1)[-1]
+        if line and ("fail" in line.lower() or "error" in line.lower()):
+            return line[:160]
+    return "ONNX Runtime fell back to the CPU"
+
+
+def provider_status(timeout_s: float = 4.0) -> dict[str, str]:
+    """For each provider this onnxruntime build has, 'runs' or 'cannot run here (why)'.
+
+    `get_available_providers()` lists what the build contains (onnxruntime-gpu lists CUDA and
+    TensorRT on a machine without a GPU); this creates a one-node session with each provider, in
+    parallel child processes, and checks that the session really uses it.
+    """
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "provider_probe",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = _OLDEST_IR
+    data = model.SerializeToString()
+    status: dict[str, str] = {}
+    children: dict[str, subprocess.Popen] = {}
+    for provider in onnxruntime.get_available_providers():
+        if provider == CPU_PROVIDER:
+            status[provider] = "runs"
+            continue
+        children[provider] = subprocess.Popen(
+            [sys.executable, "-c", _PROBE_SCRIPT, provider],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    for provider, child in children.items():
+        try:
+            out, err = child.communicate(data, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            status[provider] = f"cannot run here (no session within {timeout_s:g} s)"
+            continue
+        stderr = err.decode(errors="replace")
+        if child.returncode != 0:
+            status[provider] = f"cannot run here (loading it crashed: exit {child.returncode})"
+            continue
+        try:
+            result = json.loads(out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            result = {"error": "no answer from the probe"}
+        if provider in result.get("active", [])[:1]:
+            status[provider] = "runs"
+        else:
+            status[provider] = f"cannot run here ({_probe_reason(stderr, result.get('error'))})"
+    return status

@@ -20,20 +20,21 @@ import onnx
 from qtool import __version__, kernels, provenance
 from qtool.calibration.collect import collect_statistics
 from qtool.calibration.observers import TensorStats
-from qtool.calibration.stats_file import load_stats, save_stats, stats_data_sha256
+from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_file_bytes
 from qtool.data import Batch, count_samples_hint, iter_batches
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
-from qtool.io import atomic_write_bytes
+from qtool.io import commit_files
 from qtool.models import load_model
 from qtool.ort_session import create_session
+from qtool.phases import phase
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
 from qtool.quantize.opset21 import TARGET_OPSET
 from qtool.quantize.prepare import prepare_model, tensor_types
 from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
-from qtool.report import build_report, write_report
+from qtool.report import build_report, report_bytes
 from qtool.runtime.cpu import resolve_cpu
 from qtool.verify import verify
 
@@ -76,7 +77,9 @@ def prepare(recipe: Recipe) -> PreparedModel:
     min_opset = recipe.model.opset
     if recipe.quantization.may_need_opset21:
         min_opset = max(min_opset, TARGET_OPSET)
-    model = prepare_model(load_model(recipe.model, recipe.inputs), min_opset=min_opset)
+    loaded = load_model(recipe.model, recipe.inputs)
+    with phase("preparing graph"):
+        model = prepare_model(loaded, min_opset=min_opset)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -119,44 +122,64 @@ class _DataFingerprint:
         return total.hexdigest()
 
 
-def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
-    """Stream the calibration set through the model; write and return the statistics."""
+@dataclass
+class Calibration:
+    """Statistics of one calibration run and the files it produces, not yet written: calibrate
+    commits them alone, quantize together with its own outputs (all or nothing)."""
+
+    stats: list[TensorStats]
+    files: dict[Path, bytes]
+    data_sha256: str | None
+
+
+def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) -> Calibration:
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
     if not tensors:  # weight-only round-to-nearest: nothing to observe, no data to read
-        save_stats(recipe.stats_path, [], prepared.fingerprint, spec.bins, None)
-        atomic_write_bytes(recipe.float_model_path, prepared.serialized)
-        return []
-    fingerprint = _DataFingerprint()
-    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed)
-    stats = collect_statistics(
-        prepared.model,
-        tensors,
-        fingerprint.tap(batches),
-        bins=spec.bins,
-        device=kernels.default_device(),
-        total_samples=count_samples_hint(spec.data, spec.max_samples),
-        progress=progress,
-    )
-    save_stats(
-        recipe.stats_path, stats, prepared.fingerprint, spec.bins, fingerprint.hexdigest()
-    )
-    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
-    return stats
+        stats: list[TensorStats] = []
+        data_sha256 = None
+    else:
+        fingerprint = _DataFingerprint()
+        batches = iter_batches(
+            spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
+        )
+        stats = collect_statistics(
+            prepared.model,
+            tensors,
+            fingerprint.tap(batches),
+            bins=spec.bins,
+            device=kernels.default_device(),
+            total_samples=count_samples_hint(spec.data, spec.max_samples),
+            progress=progress,
+        )
+        data_sha256 = fingerprint.hexdigest()
+    stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
+    files = {recipe.stats_path: stats_bytes, recipe.float_model_path: prepared.serialized}
+    return Calibration(stats, files, data_sha256)
+
+
+def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
+    """Stream the calibration set through the model; write and return the statistics."""
+    run = _run_calibration(recipe, prepared, progress)
+    commit_files(run.files)
+    return run.stats
 
 
 def _statistics(
     recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
-) -> tuple[dict[str, TensorStats], Path]:
+) -> tuple[dict[str, TensorStats], Path, str | None, dict[Path, bytes]]:
+    """(stats by tensor, stats file, calibration data digest, calibration files to commit)."""
     if stats_path is None:
-        return {s.name: s for s in calibrate(recipe, prepared, progress)}, recipe.stats_path
+        run = _run_calibration(recipe, prepared, progress)
+        stats = {s.name: s for s in run.stats}
+        return stats, recipe.stats_path, run.data_sha256, run.files
     stats, fingerprint = load_stats(stats_path)
     if fingerprint != prepared.fingerprint:
         raise CalibrationError(
             f"{stats_path}: collected on a different model than {recipe.path} describes "
             "(re-run `qtool calibrate`)"
         )
-    return stats, stats_path
+    return stats, stats_path, stats_data_sha256(stats_path), {}
 
 
 def quantize(
@@ -164,7 +187,9 @@ def quantize(
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
     prepared = prepare(recipe)
-    stats, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    stats, stats_path, data_sha256, calibration_files = _statistics(
+        recipe, prepared, stats_path, progress
+    )
     layout, model = prepared.layout, prepared.model
     device = kernels.default_device()
     cpu = resolve_cpu(recipe.quantization.cpu)
@@ -182,7 +207,7 @@ def quantize(
             provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
             provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
             provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
-            provenance.CALIBRATION_DATA_SHA256: stats_data_sha256(stats_path) or "unknown",
+            provenance.CALIBRATION_DATA_SHA256: data_sha256 or "unknown",
         },
     )
     serialized = quantized.SerializeToString()
@@ -190,11 +215,10 @@ def quantize(
         create_session(serialized)
     except QtoolError as exc:
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
-    verification = verify(
-        serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
-    )
-    atomic_write_bytes(recipe.quant_model_path, serialized)
-    atomic_write_bytes(recipe.float_model_path, prepared.serialized)
+    with phase("verifying what ONNX Runtime runs"):
+        verification = verify(
+            serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+        )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {
         "float_model": str(recipe.float_model_path),
@@ -204,7 +228,14 @@ def quantize(
     report = build_report(
         recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
     )
-    write_report(recipe.report_path, report)
+    commit_files(
+        {
+            **calibration_files,
+            recipe.quant_model_path: serialized,
+            recipe.float_model_path: prepared.serialized,
+            recipe.report_path: report_bytes(report),
+        }
+    )
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )

@@ -8,6 +8,7 @@ errors because a misspelt optional key would otherwise be silently ignored.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,18 @@ BLOCK_SIZES = (16, 32, 64, 128)
 # quantization.saturation: what to do where ORT's uint8 x int8 kernels saturate (weight_format.py).
 SATURATION_POLICIES = ("auto", "pair-safe", "reduce-range", "uint8-weights", "ignore")
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
+# A recipe is a page of settings: anything larger, or any document whose aliases expand to more
+# nodes than this, is an attack (a "billion laughs" alias bomb) or a mistake, refused before any
+# walk over the parsed data (a repr, a merge) could expand it.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+# No integer setting means anything above this; larger values (2**40 bins, a 1e30 batch) would
+# only fail later as a MemoryError or an int64 overflow inside numpy or ONNX Runtime.
+MAX_INTEGER = 2**31 - 1
+# calibration.bins: the observers keep 2 * bins bins over [-R, R] and halve them in pairs as R
+# doubles, so bins must be even; the MSE threshold search is quadratic in bins (0.8 s per tensor
+# at 16384, 12 s at 65536), which bounds it above.
+MIN_BINS, MAX_BINS = 256, 16384
 IMAGE_MODES = ("L", "RGB")
 
 
@@ -264,6 +277,17 @@ class Recipe:
         return self.output_dir / "report.json"
 
 
+_SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 2, 60, 60, 4, 4
+_SHOW.maxlong = 40
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for error messages: a wrong value may be a huge nested structure, and an
+    error must stay one short line."""
+    return _SHOW.repr(value)
+
+
 class _Reader:
     """Reads typed values out of nested YAML mappings, naming the key path in every error."""
 
@@ -286,31 +310,35 @@ class _Reader:
                 raise self.fail(_join(where, key), "is required")
         return value
 
-    def integer(self, value: Any, where: str, minimum: int | None = None) -> int:
+    def integer(
+        self, value: Any, where: str, minimum: int | None = None, maximum: int = MAX_INTEGER
+    ) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(where, f"must be an integer, got {value!r}")
+            raise self.fail(where, f"must be an integer, got {_show(value)}")
         if minimum is not None and value < minimum:
-            raise self.fail(where, f"must be >= {minimum}, got {value}")
+            raise self.fail(where, f"must be >= {minimum}, got {_show(value)}")
+        if value > maximum:
+            raise self.fail(where, f"must be <= {maximum}, got {_show(value)}")
         return value
 
     def number(self, value: Any, where: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(where, f"must be a number, got {value!r}")
+            raise self.fail(where, f"must be a number, got {_show(value)}")
         return float(value)
 
     def boolean(self, value: Any, where: str) -> bool:
         if not isinstance(value, bool):
-            raise self.fail(where, f"must be true or false, got {value!r}")
+            raise self.fail(where, f"must be true or false, got {_show(value)}")
         return value
 
     def string(self, value: Any, where: str) -> str:
         if not isinstance(value, str) or not value:
-            raise self.fail(where, f"must be a non-empty string, got {value!r}")
+            raise self.fail(where, f"must be a non-empty string, got {_show(value)}")
         return value
 
     def choice(self, value: Any, where: str, options: tuple[str, ...]) -> str:
         if value not in options:
-            raise self.fail(where, f"must be one of {', '.join(options)}, got {value!r}")
+            raise self.fail(where, f"must be one of {', '.join(options)}, got {_show(value)}")
         return value
 
     def existing_file(self, value: Any, where: str) -> Path:
@@ -335,17 +363,19 @@ class _Reader:
 
     def string_list(self, value: Any, where: str) -> tuple[str, ...]:
         if not isinstance(value, list):
-            raise self.fail(where, f"must be a list of strings, got {value!r}")
+            raise self.fail(where, f"must be a list of strings, got {_show(value)}")
         return tuple(self.string(item, f"{where}[{i}]") for i, item in enumerate(value))
 
     def number_list(self, value: Any, where: str) -> tuple[float, ...]:
         if not isinstance(value, list):
-            raise self.fail(where, f"must be a list of numbers, got {value!r}")
+            raise self.fail(where, f"must be a list of numbers, got {_show(value)}")
         return tuple(self.number(item, f"{where}[{i}]") for i, item in enumerate(value))
 
     def shape(self, value: Any, where: str) -> tuple[int, ...]:
         if not isinstance(value, list) or not value:
-            raise self.fail(where, f"must be a non-empty list of positive integers, got {value!r}")
+            raise self.fail(
+                where, f"must be a non-empty list of positive integers, got {_show(value)}"
+            )
         return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
 
 
@@ -358,13 +388,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     recipe_path = Path(path)
     if not recipe_path.is_file():
         raise RecipeError(f"{recipe_path}: recipe file not found")
-    try:
-        raw = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "YAML"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{recipe_path}: {where}: malformed YAML: {problem}") from None
+    raw = _parse_yaml(recipe_path)
     reader = _Reader(recipe_path)
     raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
     top = reader.mapping(
@@ -388,6 +412,74 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     return Recipe(recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed)
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing documents whose aliases expand past MAX_YAML_NODES nodes.
+
+    PyYAML shares an aliased node instead of copying it, so parsing a billion-laughs document is
+    cheap; the cost comes later, from anything that walks the result (a repr in an error message,
+    merging a preset). The expanded size is counted on the composed node graph, where each
+    distinct node is visited once, before any Python object is built.
+    """
+
+    def check_expansion(self, root: yaml.Node, path: Path) -> None:
+        sizes: dict[int, int] = {}
+        visiting: set[int] = set()
+
+        def size(node: yaml.Node) -> int:
+            key = id(node)
+            if key in sizes:
+                return sizes[key]
+            if key in visiting:
+                raise RecipeError(f"{path}: YAML alias refers to itself (a recursive document)")
+            visiting.add(key)
+            total = 1
+            if isinstance(node, yaml.SequenceNode):
+                total += sum(size(item) for item in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                total += sum(size(k) + size(v) for k, v in node.value)
+            visiting.discard(key)
+            if total > MAX_YAML_NODES:
+                raise RecipeError(
+                    f"{path}: line {node.start_mark.line + 1}: YAML aliases expand to more than "
+                    f"{MAX_YAML_NODES} values (an alias bomb?); a recipe needs far fewer"
+                )
+            sizes[key] = total
+            return total
+
+        size(root)
+
+
+def _parse_yaml(path: Path) -> Any:
+    """Parse one YAML file with bounded size and alias expansion; errors name the file and line."""
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            f"{path}: larger than {MAX_RECIPE_BYTES // 1024} KiB: not a recipe (they are a page)"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    loader = _BoundedLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        loader.check_expansion(root, path)
+        return loader.construct_document(root)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "YAML"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path}: {where}: malformed YAML: {problem}") from None
+    finally:
+        loader.dispose()
+
+
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
     """Merge a `base:` preset (e.g. configs/int8-entropy.yaml) under this recipe's own keys.
 
@@ -402,9 +494,9 @@ def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
     if base_path in chain:
         raise reader.fail("base", f"presets include each other in a loop: {base_path}")
     try:
-        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise reader.fail("base", f"{base_path}: malformed YAML: {exc}") from None
+        base = _parse_yaml(base_path) or {}
+    except RecipeError as exc:
+        raise reader.fail("base", str(exc)) from None
     if not isinstance(base, dict):
         raise reader.fail("base", f"{base_path}: a preset must be a mapping")
     base = _apply_base(reader, base, [*chain, base_path])
@@ -525,7 +617,13 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
     percentile = reader.number(raw.get("percentile", 99.99), "calibration.percentile")
     if not 50.0 < percentile <= 100.0:
         raise reader.fail("calibration.percentile", f"must be in (50, 100], got {percentile}")
-    bins = reader.integer(raw.get("bins", 2048), "calibration.bins", minimum=256)
+    bins = reader.integer(
+        raw.get("bins", 2048), "calibration.bins", minimum=MIN_BINS, maximum=MAX_BINS
+    )
+    if bins % 2:
+        raise reader.fail(
+            "calibration.bins", f"must be even (the histogram is split at 0), got {bins}"
+        )
     max_samples = raw.get("max_samples")
     return CalibrationSpec(
         data=_read_data(reader, raw["data"], "calibration.data"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from qtool import __version__
-from qtool.io import atomic_write_text
+from qtool.io import atomic_write_bytes
 from qtool.plan import Plan, WeightPlan
 from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import Layout
@@ -192,5 +192,10 @@ def low_bit_runtime(plan: Plan) -> dict:
     return dict(sorted(groups.items()))
 
 
+def report_bytes(report: dict) -> bytes:
+    """report.json's content, for committing it together with the models it describes."""
+    return (json.dumps(report, indent=2, sort_keys=False) + "\n").encode("utf-8")
+
+
 def write_report(path: Path, report: dict) -> None:
-    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=False) + "\n")
+    atomic_write_bytes(path, report_bytes(report))

@@ -130,14 +130,26 @@ def test_int4_output_is_byte_identical_across_runs(digits_int4, cli, tmp_path):
     assert (again / "model.int4.onnx").read_bytes() == (out / "model.int4.onnx").read_bytes()
 
 
+_DATA = """
+import numpy as np
+
+def batches():
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        ids = rng.integers(0, 50, size=(1, 6), dtype=np.int64)
+        yield {"ids": ids, "x": rng.normal(size=(1, 64)).astype(np.float32)}
+"""
+
+
 def _write_recipe(folder: Path, quantization: dict, model: str = "model.onnx") -> Path:
     recipe = {
         "model": {"onnx": model},
         "inputs": {"ids": {"shape": [1, 6], "dtype": "int64"}, "x": [1, 64]},
-        "calibration": {"data": {"synthetic": True, "samples": 8}, "batch_size": 4},
+        "calibration": {"data": {"python": "data.py:batches"}, "batch_size": 1},
         "quantization": quantization,
         "output": {"dir": "out"},
     }
+    (folder / "data.py").write_text(_DATA)
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -250,7 +262,7 @@ def _embedding_model(path: Path) -> np.ndarray:
         ({"weights": {"block_size": 24}}, "quantization.weights.block_size: must be one of"),
         (
             {"weights": {"granularity": "per-channel", "block_size": 32}},
-            "applies to granularity 'block'",
+            "quantization.weights.block_size: applies to granularity 'block'",
         ),
         ({"weights": {"method": "hqq"}}, "quantization.weights.method: must be one of"),
         ({"activations": "int4"}, "quantization.activations: must be one of int8, float"),

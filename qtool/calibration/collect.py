@@ -25,6 +25,7 @@ from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data import Batch
 from qtool.errors import CalibrationError, ModelError
 from qtool.ort_session import create_session, ort_reason
+from qtool.phases import phase
 
 
 def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.ValueInfoProto]:
@@ -70,7 +71,10 @@ def collect_statistics(
     threads: int | None = None,
 ) -> list[TensorStats]:
     """Statistics for each of `tensors`, in the given order."""
-    with tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp:
+    with (
+        phase("calibrating: loading the model into ONNX Runtime"),
+        tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp,
+    ):
         path = Path(tmp) / "calibration.onnx"
         save_with_extra_outputs(model, tensors, path)
         try:
