@@ -30,7 +30,8 @@ constexpr int64_t kChunk = int64_t(1) << 18;
 // Candidates (KL, MSE) per thread at least, in units of their inner loop length.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 18;
 // Columns per block-search item: a multiple of every vector width, so only a weight's last
-// columns can take the scalar path.
+// columns can take the scalar path. Narrower (down to 16) when there are few blocks (one block
+// per column: per-channel weights), so every thread gets items.
 constexpr int64_t kSearchColumns = 64;
 
 // ---- instruction set dispatch ----
@@ -513,14 +514,18 @@ int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64
   a.out_values = out_values;
   const Kernels& k = kernels();
   const int64_t num_blocks = (rows + block_len - 1) / block_len;
-  const int64_t strips = (columns + kSearchColumns - 1) / kSearchColumns;
+  int64_t width = kSearchColumns;
+  while (width > 16 && num_blocks * ((columns + width - 1) / width) < 4 * qt::thread_budget()) {
+    width /= 2;
+  }
+  const int64_t strips = (columns + width - 1) / width;
   const int64_t per_block = std::min(block_len, rows);
   std::atomic<bool> finite{true};
-  const bool ok = parallel_items(num_blocks * strips, per_block * kSearchColumns * grid_len,
+  const bool ok = parallel_items(num_blocks * strips, per_block * width * grid_len,
                                  [&](int64_t item) {
                                    const int64_t b = item / strips;
-                                   const int64_t m0 = (item % strips) * kSearchColumns;
-                                   const int64_t m1 = std::min(columns, m0 + kSearchColumns);
+                                   const int64_t m0 = (item % strips) * width;
+                                   const int64_t m1 = std::min(columns, m0 + width);
                                    if (!k.block_search(a, b, m0, m1)) finite.store(false);
                                  });
   if (!ok) return QT_ERR_RESOURCE;

@@ -111,13 +111,15 @@ def test_each_isa_with_an_odd_grid_and_uneven_factors(isa) -> None:
         _assert_same(_search(x, 9, 4, symmetric, grid), _reference(x, 9, 4, symmetric, grid))
 
 
-def test_results_do_not_depend_on_the_thread_count(isa, threads) -> None:
-    """Enough blocks x 64-column items for several tasks per thread."""
-    x = _weights(1024, 200, seed=5)
+@pytest.mark.parametrize("rows,columns,block", [(1024, 200, 32), (300, 100, 300)])
+def test_results_do_not_depend_on_the_thread_count(isa, threads, rows, columns, block) -> None:
+    """Many blocks (several tasks per thread), and one block per column (per channel), where the
+    column width of a work item shrinks with the thread count."""
+    x = _weights(rows, columns, seed=5)
     outputs = []
     for n in (1, 2, 3, 8):
         threads(n)
-        outputs.append(_search(x, 32, 4, False, MSE_GRID))
+        outputs.append(_search(x, block, 4, False, MSE_GRID))
     for other in outputs[1:]:
         for a, b in zip(outputs[0], other, strict=True):
             np.testing.assert_array_equal(a, b)
