@@ -6,6 +6,10 @@ KL / MSE threshold searches on a 2048-bin |x| histogram. The floor is numpy's `n
 same array (one read, no work to speak of). Each kernel runs on every instruction set this CPU has
 (forced with `set_cpu_isa`), on 1 thread and on all threads.
 
+INT4 weights: the per-block MSE clipping search (`block_mse_search`, what `method: mse` runs) on
+a [K, N] weight with blocks along K, against its numpy reference `int4._mse_search_numpy` (same
+results bit for bit), in weight elements per second (each element is tried once per grid factor).
+
 Throughput is G elements per second of wall time and per CPU-second (`time.process_time`, all
 threads of this process): on a shared machine the second is the per-core figure that other
 processes disturb least. CUDA rows (copies included) appear when a GPU is usable. Prints a table
@@ -122,6 +126,54 @@ def bench_searches(x: np.ndarray, repeats: int) -> dict[str, dict[str, float]]:
     }
 
 
+def bench_block_search(
+    shape: tuple[int, int], block: int, repeats: int, thread_counts: list[int]
+) -> list[dict]:
+    """Rows: the numpy reference, then the kernel per (instruction set, threads), CUDA last."""
+    from qtool.quantize import int4
+
+    grid = int4._check_grid("mse", int4.DEFAULT_MSE_GRID)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape, dtype=np.float32)
+    w[rng.uniform(size=shape) < 0.01] *= np.float32(10.0)  # some outliers, so clipping pays
+    rows, columns = shape
+    blocks = np.zeros((-(-rows // block) * block, columns), np.float32)
+    blocks[:rows] = w
+    blocks = blocks.reshape(-1, block, columns)
+    ref = int4._mse_search_numpy(blocks, 4, True, grid)
+    cases: list[tuple[str, int, str, Callable[[], object]]] = [
+        ("numpy", 1, "numpy", lambda: int4._mse_search_numpy(blocks, 4, True, grid))
+    ]
+
+    def kernel(device: str) -> Callable[[], object]:
+        return lambda: k.block_mse_search(
+            w, block, grid, qmin=-8, qmax=7, symmetric=True, device=device
+        )
+
+    for isa in k.supported_cpu_isas():
+        for threads in thread_counts:
+            cases.append((isa, threads, "cpu", kernel("cpu")))
+    if k.default_device() == "cuda":
+        cases.append(("cuda", 0, "cuda", kernel("cuda")))
+    rows_out = []
+    try:
+        for isa, threads, device, fn in cases:
+            if device == "cpu":
+                k.set_cpu_isa(isa)
+                k.set_cpu_threads(threads)
+                found = fn()
+                assert np.array_equal(found.best_index, ref[3]), f"{isa}: differs from numpy"
+            m = _measure(fn, repeats if isa not in ("numpy", "scalar") else 1)
+            rows_out.append({"impl": isa, "threads": threads, **m})
+    finally:
+        k.set_cpu_isa(None)
+        k.set_cpu_threads(None)
+    for row in rows_out:
+        row["m_elements_per_s"] = w.size / row["wall_s"] / 1e6
+        row["vs_numpy"] = rows_out[0]["wall_s"] / row["wall_s"]
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=100_000_000)
@@ -129,6 +181,8 @@ def main() -> None:
     parser.add_argument("--dists", default="normal,relu,t4")
     parser.add_argument("--threads", default="1,all", help="thread counts; 'all' = the default")
     parser.add_argument("--json", type=Path, default=RESULTS / "kernels.json")
+    parser.add_argument("--weight", default="1536x384", help="INT4 MSE search weight K x N")
+    parser.add_argument("--block", type=int, default=32, help="INT4 MSE search block (along K)")
     args = parser.parse_args()
 
     default_threads = k.cpu_threads()
@@ -167,6 +221,18 @@ def main() -> None:
             report["searches_ms"] = bench_searches(x, args.repeats)
         del x
     print("searches (ms):", json.dumps(report["searches_ms"]))
+    shape = tuple(int(d) for d in args.weight.lower().split("x"))
+    if len(shape) != 2:
+        raise SystemExit(f"--weight must be K x N, got {args.weight!r}")
+    rows = bench_block_search(shape, args.block, args.repeats, thread_counts)
+    report["block_mse_search"] = {"weight": list(shape), "block": args.block, "rows": rows}
+    print(f"INT4 MSE search, weight {shape[0]}x{shape[1]}, block {args.block}, grid 21")
+    print(f"{'impl':<8}{'thr':>4}{'ms':>10}{'M elem/s':>10}{'x numpy':>9}")
+    for row in rows:
+        print(
+            f"{row['impl']:<8}{row['threads']:>4}{1e3 * row['wall_s']:>10.2f}"
+            f"{row['m_elements_per_s']:>10.1f}{row['vs_numpy']:>8.1f}x"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"JSON: {args.json}")

@@ -13,6 +13,7 @@
 #include <new>
 #include <vector>
 
+#include "cpu_block_search.h"
 #include "cpu_pool.h"
 #include "cpu_simd.h"
 #include "qt_math.h"
@@ -28,6 +29,10 @@ using qt::LocalHist;
 constexpr int64_t kChunk = int64_t(1) << 18;
 // Candidates (KL, MSE) per thread at least, in units of their inner loop length.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 18;
+// Columns per block-search item: a multiple of every vector width, so only a weight's last
+// columns can take the scalar path. Narrower (down to 16) when there are few blocks (one block
+// per column: per-channel weights), so every thread gets items.
+constexpr int64_t kSearchColumns = 64;
 
 // ---- instruction set dispatch ----
 
@@ -36,15 +41,16 @@ struct Kernels {
   QtMinMax (*minmax)(const float*, int64_t);
   bool (*observe_fast)(const float*, int64_t, const BinParams&, LocalHist&, QtMinMax*);
   void (*observe_exact)(const float*, int64_t, const BinParams&, LocalHist&, QtMinMax*);
+  bool (*block_search)(const qt::BlockSearch&, int64_t, int64_t, int64_t);
 };
 
 const Kernels kScalar = {QT_ISA_SCALAR, qt::scalar::minmax, qt::scalar::observe_fast,
-                         qt::scalar::observe_exact};
+                         qt::scalar::observe_exact, qt::scalar::columns};
 #if defined(__x86_64__)
 const Kernels kAvx2 = {QT_ISA_AVX2, qt::avx2::minmax, qt::avx2::observe_fast,
-                       qt::avx2::observe_exact};
+                       qt::avx2::observe_exact, qt::avx2::columns};
 const Kernels kAvx512 = {QT_ISA_AVX512, qt::avx512::minmax, qt::avx512::observe_fast,
-                         qt::avx512::observe_exact};
+                         qt::avx512::observe_exact, qt::avx512::columns};
 #endif
 
 bool isa_supported(int isa) {
@@ -314,6 +320,7 @@ const char* qt_cpu_status_string(int status) {
     case QT_ERR_BAD_ARG: return "invalid argument";
     case QT_ERR_NO_COUNTS: return "histogram has no counts or a negative count";
     case QT_ERR_RESOURCE: return "out of memory or threads";
+    case QT_ERR_NONFINITE: return "input has NaN or Inf";
     default: return "unknown status";
   }
 }
@@ -474,6 +481,55 @@ int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
   if (status != QT_OK) return status;
   *out_bins = static_cast<double>(argmin(err) + 1);
   return QT_OK;
+  QT_GUARD_END
+}
+
+int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
+                            int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
+                            int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
+                            int32_t* out_best, uint8_t* out_values) {
+  if (rows < 1 || columns < 1) return QT_ERR_EMPTY;
+  if (block_len < 1 || grid_len < 1 || grid_len > 0x7fffffffLL || out_scale == nullptr) {
+    return QT_ERR_BAD_ARG;
+  }
+  if (!qt_block_qrange_ok(qmin, qmax, symmetric != 0)) return QT_ERR_BAD_ARG;
+  if (symmetric == 0 && out_zero_point == nullptr) return QT_ERR_BAD_ARG;
+  for (int64_t j = 0; j < grid_len; ++j) {
+    if (!(grid[j] > 0.0f && grid[j] <= 1.0f)) return QT_ERR_BAD_ARG;
+  }
+  QT_GUARD_BEGIN
+  qt::BlockSearch a{};
+  a.x = x;
+  a.rows = rows;
+  a.columns = columns;
+  a.block_len = block_len;
+  a.qmin = static_cast<float>(qmin);
+  a.qmax = static_cast<float>(qmax);
+  a.symmetric = symmetric != 0;
+  a.grid = grid;
+  a.grid_len = grid_len;
+  a.out_scale = out_scale;
+  a.out_zero = out_zero_point;
+  a.out_best = out_best;
+  a.out_values = out_values;
+  const Kernels& k = kernels();
+  const int64_t num_blocks = (rows + block_len - 1) / block_len;
+  int64_t width = kSearchColumns;
+  while (width > 16 && num_blocks * ((columns + width - 1) / width) < 4 * qt::thread_budget()) {
+    width /= 2;
+  }
+  const int64_t strips = (columns + width - 1) / width;
+  const int64_t per_block = std::min(block_len, rows);
+  std::atomic<bool> finite{true};
+  const bool ok = parallel_items(num_blocks * strips, per_block * width * grid_len,
+                                 [&](int64_t item) {
+                                   const int64_t b = item / strips;
+                                   const int64_t m0 = (item % strips) * width;
+                                   const int64_t m1 = std::min(columns, m0 + width);
+                                   if (!k.block_search(a, b, m0, m1)) finite.store(false);
+                                 });
+  if (!ok) return QT_ERR_RESOURCE;
+  return finite.load() ? QT_OK : QT_ERR_NONFINITE;
   QT_GUARD_END
 }
 

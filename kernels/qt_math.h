@@ -225,4 +225,76 @@ QT_HD inline double qt_percentile_position(const int64_t* hist, int64_t nbins, d
   return (double)nbins;
 }
 
+// ---------------------------------------------------------------------------------------------
+// block-wise MSE clipping search (qtool/quantize/int4.py)
+// ---------------------------------------------------------------------------------------------
+// A block is block_len values of one column. Its range [lo, hi] = [min(min x, 0), max(max x, 0)]
+// is shrunk by a factor f of the grid; f picks a scale (and zero point) as numpy does, in float32:
+//   symmetric:  s = max((lo*f) / qmin, (hi*f) / qmax),                      z = 0
+//   asymmetric: s = ((hi*f) - (lo*f)) / (qmax - qmin),  z = clip(rint(-(lo*f) / s), qmin, qmax)
+//   s = s > 0 ? max(s, 1e-8) : 1
+// and reconstructs x as (clip(rint(x / s) + z, qmin, qmax) - z) * s. The error of f is the sum of
+// the squared float32 differences, each widened to double (exact: 24-bit mantissas squared) and
+// added in row order; the least error wins, the lower grid index on ties (strict `<`, NaN never
+// wins). Every operation is one correctly rounded IEEE float32 operation with no FMA, rint rounds
+// half to even: what numpy computes, on every backend and lane.
+
+// Smallest scale, float32(1e-8) as numpy's np.float32(1e-8) rounds it (via double).
+#define QT_BLOCK_MIN_SCALE ((float)1e-8)
+
+QT_HD inline float qt_rint(float v) { return rintf(v); }  // default mode: half to even
+
+struct QtBlockQuant {
+  float scale;
+  float zero;  // 0 when symmetric
+};
+
+// Integer ranges the search supports: int8/int4-like symmetric ones (qmin < 0 < qmax) and
+// uint8-like asymmetric ones; levels then fit a byte.
+QT_HD inline bool qt_block_qrange_ok(int32_t qmin, int32_t qmax, bool symmetric) {
+  if (symmetric) return qmin >= -128 && qmin < 0 && qmax > 0 && qmax <= 127;
+  return qmin >= 0 && qmin < qmax && qmax <= 255;
+}
+
+// Range step over the block's values: lo and hi start at 0.
+QT_HD inline void qt_block_range_step(float v, float& lo, float& hi) {
+  lo = v < lo ? v : lo;
+  hi = v > hi ? v : hi;
+}
+
+QT_HD inline QtBlockQuant qt_block_quant_params(float lo, float hi, float factor, float qmin,
+                                                float qmax, bool symmetric) {
+  const float l = lo * factor, h = hi * factor;
+  QtBlockQuant p;
+  float s;
+  if (symmetric) {
+    const float a = l / qmin, b = h / qmax;
+    s = a > b ? a : b;
+  } else {
+    s = (h - l) / (qmax - qmin);
+  }
+  s = s > 0.0f ? (s > QT_BLOCK_MIN_SCALE ? s : QT_BLOCK_MIN_SCALE) : 1.0f;
+  p.scale = s;
+  if (symmetric) {
+    p.zero = 0.0f;
+  } else {
+    float z = qt_rint(-l / s);
+    z = z > qmin ? z : qmin;
+    p.zero = z < qmax ? z : qmax;
+  }
+  return p;
+}
+
+// The integer level of v (as a float): clip(rint(v / s) + z, qmin, qmax).
+QT_HD inline float qt_block_level(float v, QtBlockQuant p, float qmin, float qmax) {
+  float q = qt_rint(v / p.scale) + p.zero;
+  q = q > qmin ? q : qmin;
+  return q < qmax ? q : qmax;
+}
+
+QT_HD inline double qt_block_sq_error(float v, QtBlockQuant p, float qmin, float qmax) {
+  const float d = (qt_block_level(v, p, qmin, qmax) - p.zero) * p.scale - v;
+  return (double)d * (double)d;
+}
+
 #endif  // QTOOL_QT_MATH_H

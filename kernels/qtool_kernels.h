@@ -18,13 +18,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define QT_ABI_VERSION 2
+#define QT_ABI_VERSION 3
 
 #define QT_OK 0
 #define QT_ERR_EMPTY 1       /* zero elements / zero channels */
 #define QT_ERR_BAD_ARG 2     /* nbins < 1, num_levels < 1, half_range <= 0, percentile range */
 #define QT_ERR_NO_COUNTS 3   /* histogram sums to zero (or has a negative count) */
 #define QT_ERR_RESOURCE 4    /* out of memory or threads */
+#define QT_ERR_NONFINITE 5   /* input has NaN or Inf (block search) */
 #define QT_ERR_CUDA_BASE 1000 /* QT_ERR_CUDA_BASE + cudaError_t */
 
 #ifdef __cplusplus
@@ -72,6 +73,28 @@ int qt_cpu_percentile_bin(const int64_t* hist, int64_t nbins, double percentile,
 int qt_cpu_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, double* out);
 int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
                          double* out_bins);
+/* MSE-optimal clipping per block, for block-wise weight quantization (qtool/quantize/int4.py).
+   x: float32 [rows, columns] row-major. A block is block_len consecutive rows of one column
+   (num_blocks = ceil(rows / block_len); the last block is shorter when block_len does not divide
+   rows, which equals padding it with zero rows). Per block, range [lo, hi] = [min(min x, 0),
+   max(max x, 0)]; each factor grid[j] (0 < f <= 1) shrinks it and gives a scale (and zero point):
+     symmetric (qmin < 0 < qmax):  s = max(lo*f / qmin, hi*f / qmax), z = 0
+     asymmetric (0 <= qmin):       s = (hi*f - lo*f) / (qmax - qmin), z = clip(rint(-lo*f / s))
+     s = s > 0 ? max(s, 1e-8) : 1
+   error(j) = sum over the block's rows, in row order, in double, of the squared float32
+   ((clip(rint(x / s) + z, qmin, qmax) - z) * s - x); all float32 steps as numpy rounds them
+   (rint half to even). The least error wins, the lowest j on ties; grid_len == 1 skips the
+   errors. Outputs: out_scale float32 [num_blocks, columns]; out_zero_point uint8 [num_blocks,
+   columns] (asymmetric only, may be NULL when symmetric); out_best int32 [num_blocks, columns]
+   the chosen j (may be NULL); out_values [rows, columns] the levels clip(rint(x / s) + z) as
+   bytes, int8 two's complement when symmetric, uint8 otherwise (may be NULL).
+   Supported ranges: symmetric -128 <= qmin < 0 < qmax <= 127, asymmetric 0 <= qmin < qmax <= 255.
+   QT_ERR_NONFINITE when x holds NaN or Inf (outputs then unspecified). Identical results on every
+   instruction set, thread count and on the CUDA backend. */
+int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
+                            int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
+                            int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
+                            int32_t* out_best, uint8_t* out_values);
 
 /* ---- libqtool_cuda.so ---- */
 int qt_cuda_abi_version(void);
@@ -100,6 +123,14 @@ int qt_cuda_mse_errors(const int64_t* hist, int64_t nbins, int64_t num_steps, do
                        void* stream);
 int qt_cuda_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
                           double* out_bins, void* stream);
+/* qt_cpu_block_mse_search on the device, bit-identical to it: every pointer (grid included) is a
+   device pointer. The argument checks that need no data are the same; the caller checks that x
+   is finite and the grid factors lie in (0, 1] on the host (non-finite x gives unspecified
+   outputs, never out-of-bounds accesses). One thread per block column, rows in order. */
+int qt_cuda_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
+                             int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
+                             int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
+                             int32_t* out_best, uint8_t* out_values, void* stream);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,8 @@ The libraries are built at install time (see setup.py) and loaded with ctypes on
 importing qtool never needs a compiler, torch or CuPy. `device="cpu"` runs libqtool_cpu.so;
 `device="cuda"` copies the inputs to the GPU, runs libqtool_cuda.so and copies results back.
 Both backends share the math header kernels/qt_math.h, so they agree bit for bit on histograms,
-min/max and chosen thresholds (up to floating-point summation order in the searches).
+min/max, block MSE searches and chosen thresholds (up to floating-point summation order in the
+histogram searches).
 
 A missing CPU library is an error (reinstall), never a silent numpy fallback: calibration
 results must come from one implementation.
@@ -22,7 +23,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,13 +34,14 @@ CPU_LIB = LIB_DIR / "libqtool_cpu.so"
 CUDA_LIB = LIB_DIR / "libqtool_cuda.so"
 BUILD_INFO = LIB_DIR / "build_info.json"
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _OK = 0
 _STATUS = {
     1: "empty input",
     2: "invalid argument",
     3: "histogram has no counts or a negative count",
     4: "out of memory or threads",
+    5: "input has NaN or Inf",
 }
 # qtool_kernels.h QT_ISA_*: the order is also the preference order, best last
 CPU_ISAS = ("scalar", "avx2", "avx512")
@@ -51,6 +53,8 @@ _f32p = ctypes.POINTER(ctypes.c_float)
 _f64p = ctypes.POINTER(ctypes.c_double)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _i32p = ctypes.POINTER(ctypes.c_int32)
+_u8p = ctypes.POINTER(ctypes.c_uint8)
+_i32 = ctypes.c_int32
 _vp = ctypes.c_void_p
 
 # name: argtypes (all functions return int status)
@@ -70,6 +74,10 @@ _CPU_SIGNATURES: dict[str, list[Any]] = {
     "qt_cpu_percentile_bin": [_i64p, _i64, ctypes.c_double, _f64p],
     "qt_cpu_mse_errors": [_i64p, _i64, _i64, _f64p],
     "qt_cpu_mse_threshold": [_i64p, _i64, _i64, _f64p],
+    "qt_cpu_block_mse_search": [
+        *[_f32p, _i64, _i64, _i64, _i32, _i32, _i32, _f32p, _i64],
+        *[_f32p, _u8p, _i32p, _u8p],
+    ],
 }
 # CUDA data pointers are device addresses, passed as void*.
 _CUDA_SIGNATURES: dict[str, list[Any]] = {
@@ -88,6 +96,10 @@ _CUDA_SIGNATURES: dict[str, list[Any]] = {
     "qt_cuda_kl_threshold": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_mse_errors": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_mse_threshold": [_vp, _i64, _i64, _vp, _vp],
+    "qt_cuda_block_mse_search": [
+        *[_vp, _i64, _i64, _i64, _i32, _i32, _i32, _vp, _i64],
+        *[_vp, _vp, _vp, _vp, _vp],
+    ],
 }
 
 _lock = threading.Lock()
@@ -570,3 +582,95 @@ def mse_threshold_bins(hist: np.ndarray, num_steps: int, device: str = "cpu") ->
         d_h, d_out = buf.upload(h), buf.alloc(out.nbytes)
         buf.check(buf.lib.qt_cuda_mse_threshold(d_h, h.size, steps, d_out, None))
         return float(buf.download(d_out, out)[0])
+
+
+class BlockSearch(NamedTuple):
+    """Result of `block_mse_search`, in ONNX DequantizeLinear terms."""
+
+    scale: np.ndarray  # float32 [num_blocks, columns]
+    zero_point: np.ndarray | None  # uint8 [num_blocks, columns]; None when symmetric
+    best_index: np.ndarray  # int32 [num_blocks, columns]: the grid factor each block chose
+    values: np.ndarray  # [rows, columns] levels: int8 when symmetric, else uint8
+
+
+def _qrange_ok(qmin: int, qmax: int, symmetric: bool) -> bool:
+    """qt_block_qrange_ok: the integer ranges whose levels fit a byte."""
+    if symmetric:
+        return -128 <= qmin < 0 < qmax <= 127
+    return 0 <= qmin < qmax <= 255
+
+
+def block_mse_search(
+    x: np.ndarray,
+    block_len: int,
+    grid: Any,
+    *,
+    qmin: int,
+    qmax: int,
+    symmetric: bool,
+    device: str = "cpu",
+) -> BlockSearch:
+    """Per block of `block_len` consecutive rows of each column of x [rows, columns], the grid
+    factor whose shrunk [min, max] range quantizes the block with the least squared error.
+
+    The exact float32 recipe is qt_cpu_block_mse_search's (kernels/qtool_kernels.h), the one
+    qtool/quantize/int4.py's numpy reference computes: same scales, zero points, chosen indices
+    and levels bit for bit, on every instruction set, thread count and on CUDA. A short last block
+    (block_len not dividing rows) behaves as if padded with zero rows. grid[0] wins ties, so put
+    1.0 (the plain min/max range) first. A grid of one factor skips the error search.
+    """
+    what = "block_mse_search"
+    arr = np.ascontiguousarray(x, dtype=np.float32)
+    if arr.ndim != 2 or arr.size == 0:
+        raise KernelError(f"{what}: x must be a non-empty 2-D [rows, columns], got {arr.shape}")
+    length = _check_levels(block_len, "block_len", what)
+    factors = np.ascontiguousarray(grid, dtype=np.float32).reshape(-1)
+    if factors.size < 1 or not np.all((factors > 0) & (factors <= 1)):
+        raise KernelError(f"{what}: grid factors must lie in (0, 1], got {factors.tolist()}")
+    qmin, qmax, symmetric = int(qmin), int(qmax), bool(symmetric)
+    if not _qrange_ok(qmin, qmax, symmetric):
+        kind = "symmetric" if symmetric else "asymmetric"
+        raise KernelError(f"{what}: unsupported {kind} integer range [{qmin}, {qmax}]")
+    rows, columns = arr.shape
+    num_blocks = -(-rows // length)
+    scale = np.empty((num_blocks, columns), np.float32)
+    zero = None if symmetric else np.empty((num_blocks, columns), np.uint8)
+    best = np.empty((num_blocks, columns), np.int32)
+    values = np.empty((rows, columns), np.uint8)
+    args = (rows, columns, length, qmin, qmax, int(symmetric))
+    if _check_device(device) == "cpu":
+        status = _load_cpu().qt_cpu_block_mse_search(
+            _ptr(arr, ctypes.c_float),
+            *args,
+            _ptr(factors, ctypes.c_float),
+            factors.size,
+            _ptr(scale, ctypes.c_float),
+            None if zero is None else _ptr(zero, ctypes.c_uint8),
+            _ptr(best, ctypes.c_int32),
+            _ptr(values, ctypes.c_uint8),
+        )
+        _check_cpu(status, what)
+    else:
+        if not np.all(np.isfinite(arr)):  # the device kernel cannot report it without a sync
+            raise KernelError(f"{what}: {_STATUS[5]}")
+        with _DeviceBuffers(_cuda_lib(), what) as buf:
+            d_x, d_grid = buf.upload(arr), buf.upload(factors)
+            d_scale, d_best = buf.alloc(scale.nbytes), buf.alloc(best.nbytes)
+            d_zero = None if zero is None else buf.alloc(zero.nbytes)
+            d_values = buf.alloc(values.nbytes)
+            buf.check(
+                buf.lib.qt_cuda_block_mse_search(
+                    d_x, *args, d_grid, factors.size, d_scale, d_zero, d_best, d_values, None
+                )
+            )
+            buf.download(d_scale, scale)
+            buf.download(d_best, best)
+            buf.download(d_values, values)
+            if zero is not None:
+                buf.download(d_zero, zero)
+    return BlockSearch(
+        scale=scale,
+        zero_point=zero,
+        best_index=best,
+        values=values.view(np.int8) if symmetric else values,
+    )

@@ -18,7 +18,9 @@ Scales:
   point is an integer in [0, 15], so 0 is always representable), scale = range / 15.
 - `mse`: the same range shrunk by each factor of `mse_grid`, keeping per block the factor with the
   least squared reconstruction error; the unshrunk range is always tried first and wins ties, so
-  `mse` is never worse than `minmax` on any block.
+  `mse` is never worse than `minmax` on any block. The search runs in the compiled kernel
+  (`qtool.kernels.block_mse_search`, `device` "cpu" or "cuda"); `_mse_search_numpy` is its
+  numpy specification, reproduced bit for bit.
 Rounding is round-half-to-even in float32, the arithmetic DequantizeLinear inverts exactly.
 """
 
@@ -33,6 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.errors import ModelError
+from qtool.kernels import block_mse_search
 
 __all__ = [
     "DEFAULT_MSE_GRID",
@@ -142,41 +145,86 @@ def dequantize_values(
     return (q * scale).astype(np.float32)
 
 
+def _block_range(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[min, max] over each block's rows, widened to contain 0; float32 [nb, M] each."""
+    low = np.minimum(blocks.min(axis=1), 0).astype(np.float32)
+    high = np.maximum(blocks.max(axis=1), 0).astype(np.float32)
+    return low, high
+
+
 def _quantize_blocks(
-    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...]
+    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...], device: str = "cpu"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Blocks [nb, B, M] (padding rows must be zeros) -> values, scale [nb, M], zero point.
 
     Zero padding never changes a block's range (the range always contains 0) and reconstructs
     exactly (0 maps to the zero point), so a short last block is searched on its real rows only.
+    The `mse` search (more than one factor) runs in the compiled kernel (`qtool.kernels.
+    block_mse_search`, on `device`), which reproduces `_mse_search_numpy` bit for bit and is
+    what makes per-block searching affordable on large weights.
     """
-    low = np.minimum(blocks.min(axis=1), 0).astype(np.float32)
-    high = np.maximum(blocks.max(axis=1), 0).astype(np.float32)
+    if len(grid) == 1:
+        low, high = _block_range(blocks)
+        scale, zero = _scales_for(low, high, bits, symmetric)
+        values = quantize_values(
+            blocks, scale[:, None, :], None if zero is None else zero[:, None, :], bits
+        )
+        return values, scale, zero
+    qmin, qmax = _qrange(bits, symmetric)
+    n_blocks, block_len, columns = blocks.shape
+    found = block_mse_search(
+        blocks.reshape(n_blocks * block_len, columns),
+        block_len,
+        np.asarray(grid, np.float32),
+        qmin=qmin,
+        qmax=qmax,
+        symmetric=symmetric,
+        device=device,
+    )
+    return found.values.reshape(blocks.shape), found.scale, found.zero_point
+
+
+def _mse_search_numpy(
+    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """The numpy reference of the `mse` search: values, scale, zero point, chosen grid index.
+
+    Kept next to the kernel as its specification (tests and benchmarks/kernels.py compare them):
+    every step is one float32 numpy operation, the squared errors are summed in float64 in row
+    order (`np.add.accumulate` is sequential by definition, unlike `sum`'s pairwise order), so
+    the kernel can reproduce each block's error, and therefore its choice, exactly.
+    """
+    low, high = _block_range(blocks)
     best_scale, best_zero = _scales_for(low, high, bits, symmetric)
+    best_index = np.zeros(best_scale.shape, np.int32)
     if len(grid) > 1:
         best_err = _block_error(blocks, best_scale, best_zero, bits)
-        for factor in grid[1:]:
+        for index, factor in enumerate(grid[1:], start=1):
             f = np.float32(factor)
             scale, zero = _scales_for(low * f, high * f, bits, symmetric)
             err = _block_error(blocks, scale, zero, bits)
             better = err < best_err  # strict: earlier (wider) candidates win ties
             best_err = np.where(better, err, best_err)
             best_scale = np.where(better, scale, best_scale)
+            best_index = np.where(better, np.int32(index), best_index)
             if zero is not None:
                 best_zero = np.where(better, zero, best_zero)
     values = quantize_values(
         blocks, best_scale[:, None, :], None if best_zero is None else best_zero[:, None, :], bits
     )
-    return values, best_scale, best_zero
+    return values, best_scale, best_zero, best_index
 
 
 def _block_error(
     blocks: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, bits: int
 ) -> np.ndarray:
+    """Sum over each block's rows of the squared float32 reconstruction error, float64 [nb, M]."""
     s = scale[:, None, :]
     z = None if zero is None else zero[:, None, :]
-    diff = dequantize_values(quantize_values(blocks, s, z, bits), s, z) - blocks
-    return np.einsum("kbm,kbm->km", diff, diff, dtype=np.float64)
+    diff = (dequantize_values(quantize_values(blocks, s, z, bits), s, z) - blocks).astype(
+        np.float64
+    )
+    return np.add.accumulate(diff * diff, axis=1)[:, -1]
 
 
 def block_scales(
@@ -186,6 +234,7 @@ def block_scales(
     symmetric: bool = True,
     method: str = "minmax",
     mse_grid: Sequence[float] = DEFAULT_MSE_GRID,
+    device: str = "cpu",
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Scale [M] (and zero point [M]) of one block given as its rows [R, M].
 
@@ -194,7 +243,7 @@ def block_scales(
     """
     grid = _check_grid(method, mse_grid)
     rows = np.asarray(rows, np.float32)
-    _, scale, zero = _quantize_blocks(rows[None], bits, symmetric, grid)
+    _, scale, zero = _quantize_blocks(rows[None], bits, symmetric, grid, device)
     return scale[0], None if zero is None else zero[0]
 
 
@@ -217,6 +266,7 @@ def quantize_blockwise(
     mse_grid: Sequence[float] = DEFAULT_MSE_GRID,
     axis: int = 0,
     name: str = "weight",
+    device: str = "cpu",
 ) -> BlockwiseWeight:
     """Blocked quantization along `axis` (0: a MatMul weight [K, N], blocks along K).
 
@@ -235,7 +285,7 @@ def quantize_blockwise(
     padded = np.zeros((n_blocks * block_size, flat.shape[1]), np.float32)
     padded[:length] = flat
     values, scale, zero = _quantize_blocks(
-        padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid
+        padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid, device
     )
     values = values.reshape(n_blocks * block_size, -1)[:length]
 
@@ -261,6 +311,7 @@ def quantize_per_channel(
     mse_grid: Sequence[float] = DEFAULT_MSE_GRID,
     axis: int = 0,
     name: str = "weight",
+    device: str = "cpu",
 ) -> BlockwiseWeight:
     """One scale per index along `axis` (0: a Conv weight's output channels), no blocks.
 
@@ -275,7 +326,9 @@ def quantize_per_channel(
     channels = moved.shape[0]
     # [C, R] -> one block of R rows per channel column: [1, R, C]
     blocks = moved.reshape(channels, -1).T[None]
-    values, scale, zero = _quantize_blocks(np.ascontiguousarray(blocks), bits, symmetric, grid)
+    values, scale, zero = _quantize_blocks(
+        np.ascontiguousarray(blocks), bits, symmetric, grid, device
+    )
     values = np.moveaxis(values[0].T.reshape(moved.shape), 0, axis)
     return BlockwiseWeight(
         values=np.ascontiguousarray(values),
@@ -296,6 +349,7 @@ def quantize_embedding(
     method: str = "minmax",
     mse_grid: Sequence[float] = DEFAULT_MSE_GRID,
     name: str = "embedding",
+    device: str = "cpu",
 ) -> BlockwiseWeight:
     """A Gather table [V, D]: blocks of `block_size` along D (axis 1), or one scale per row
     (`block_size` None: per channel along axis 0).
@@ -316,6 +370,7 @@ def quantize_embedding(
             mse_grid=mse_grid,
             axis=0,
             name=name,
+            device=device,
         )
     return quantize_blockwise(
         table,
@@ -326,6 +381,7 @@ def quantize_embedding(
         mse_grid=mse_grid,
         axis=1,
         name=name,
+        device=device,
     )
 
 
