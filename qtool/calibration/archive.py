@@ -11,8 +11,10 @@ import zipfile
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
-def write_member(archive: zipfile.ZipFile, name: str, data: bytes) -> None:
+def write_member(
+    archive: zipfile.ZipFile, name: str, data: bytes, compress_type: int = zipfile.ZIP_DEFLATED
+) -> None:
     info = zipfile.ZipInfo(name, date_time=_FIXED_TIME)
-    info.compress_type = zipfile.ZIP_DEFLATED
+    info.compress_type = compress_type
     info.external_attr = 0o644 << 16
     archive.writestr(info, data)
