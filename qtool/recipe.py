@@ -273,6 +273,11 @@ class Recipe:
         return self.output_dir / "stats.npz"
 
     @property
+    def hessians_path(self) -> Path:
+        """GPTQ's XᵀX per layer input, written by the calibration run beside the stats file."""
+        return self.output_dir / "hessians.npz"
+
+    @property
     def report_path(self) -> Path:
         return self.output_dir / "report.json"
 

@@ -20,9 +20,11 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.algorithms.gptq import hessian_error
+from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import RecipeError
-from qtool.quantize.int4 import dequantize, quantize_blockwise
+from qtool.quantize.int4 import BlockwiseWeight, dequantize, quantize_blockwise
 from qtool.recipe import load_recipe
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -353,3 +355,47 @@ def test_weight_only_round_to_nearest_needs_no_statistics(tmp_path, cli):
     assert report["summary"]["weight_only_nodes"] == 1
     node = next(n for n in report["nodes"] if n["name"] == "proj")
     assert node["runtime"]["runs_as"] == "MatMulNBits"
+
+
+def test_gptq_streams_hessians_and_beats_round_to_nearest_on_them(digits_int4, cli, tmp_path):
+    folder, _, _ = digits_int4
+    recipe = folder / "recipe-gptq.yaml"
+    recipe.write_text(
+        "base: recipe-int4.yaml\nquantization:\n  weights: {method: gptq, block_size: 16}\n"
+    )
+    out = tmp_path / "gptq"
+    assert cli("calibrate", recipe, "-o", out, "--no-progress").exit_code == 0
+    hessians = load_hessians(out / "hessians.npz", load_stats(out / "stats.npz")[1])
+    assert sorted(hessians) == ["/flatten/Flatten_output_0", "/relu4/Relu_output_0"]
+    result = cli("quantize", recipe, "--stats", out / "stats.npz", "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    nodes = {n["name"]: n for n in json.loads((out / "report.json").read_text())["nodes"]}
+    assert nodes["/fc1/Gemm"]["weight"]["method"] == "gptq"
+    assert nodes["/conv1/Conv"]["weight"]["method"] == "mse"  # gptq is for MatMul/Gemm
+    assert "gptq is for MatMul/Gemm" in nodes["/conv1/Conv"]["weight"]["reason"]
+
+    # On the calibration Hessian (the error GPTQ minimises), the written fc1 weight beats
+    # round-to-nearest with the same blocks.
+    fp32 = {
+        i.name: numpy_helper.to_array(i)
+        for i in onnx.load(str(out / "model.fp32.onnx")).graph.initializer
+    }
+    weight = np.ascontiguousarray(fp32["fc1.weight"].T)  # stored [K, N]
+    model = onnx.load(str(out / "model.int4.onnx"))
+    inits = {i.name: i for i in model.graph.initializer}
+    written = BlockwiseWeight(
+        values=numpy_helper.to_array(inits["fc1.weight_quantized"]).astype(np.int8),
+        scale=numpy_helper.to_array(inits["fc1.weight_scale"]),
+        zero_point=None,
+        bits=4,
+        axis=0,
+        block_size=16,
+    )
+    h = hessians["/flatten/Flatten_output_0"].xtx
+    rtn = quantize_blockwise(weight, block_size=16)
+    assert hessian_error(weight, written, h) < 0.9 * hessian_error(weight, rtn, h)
+
+    (out / "hessians.npz").unlink()
+    again = cli("quantize", recipe, "--stats", out / "stats.npz", "-o", out, "--no-progress")
+    assert again.exit_code == 2
+    assert "hessians.npz: not found" in " ".join(again.output.split())
