@@ -249,7 +249,12 @@ def quantize(
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
     with phase("verifying what ONNX Runtime runs"):
         verification = verify(
-            serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+            serialized,
+            layout.plan,
+            _verify_feeds(recipe),
+            cpu,
+            target=recipe.quantization.target,
+            float_model=prepared.serialized,
         )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {

@@ -26,6 +26,7 @@ from qtool.calibration.stats_file import load_stats
 from qtool.errors import RecipeError
 from qtool.quantize.int4 import BlockwiseWeight, dequantize, quantize_blockwise
 from qtool.recipe import load_recipe
+from qtool.runtime.cpu import detect_cpu
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -75,6 +76,10 @@ def test_digits_int4_gemms_become_matmulnbits_and_convs_run_float(digits_int4, t
     assert nodes["/conv1/Conv"]["runtime"]["reason"].startswith("ORT has no 4-bit Conv kernel")
     assert "int4 Conv: 3 nodes, smaller file only" in " ".join(result.output.split())
     assert "warning" not in result.output  # weight-only Convs are expected to run float
+    speed = report["low_bit_speed"]  # measured here: faster, or only smaller, on this CPU
+    assert speed["cpu"] == detect_cpu().describe() and speed["fp32_ms_median"] > 0
+    faster = speed["speedup"] >= 1.05
+    assert speed["verdict"] == ("faster" if faster else "only smaller: no speed-up on this CPU")
 
 
 def test_digits_int4_keeps_accuracy_and_shrinks_the_file(digits_int4, cli, tmp_path):
