@@ -162,30 +162,6 @@ def _write_recipe(folder: Path, quantization: dict, model: str = "model.onnx") -
     return path
 
 
-def _embedding_model(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """ids -> Gather(table [50, 64]) -> MatMul(W [64, 32]) (+ x @ W2) -> y: a tiny encoder."""
-    rng = np.random.default_rng(0)
-    table = rng.normal(size=(50, 64)).astype(np.float32)
-    weight = rng.normal(size=(64, 32)).astype(np.float32)
-    nodes = [
-        helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
-        helper.make_node("Add", ["emb", "x"], ["h"], name="add"),
-        helper.make_node("MatMul", ["h", "w"], ["y"], name="proj"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "emb",
-        [
-            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 6]),
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 32])],
-        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "w")],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return table, weight
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_embedding_table_is_gathered_quantized_by_ort(tmp_path, cli, bits):
     table = _embedding_model(tmp_path / "model.onnx")
