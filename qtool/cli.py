@@ -405,6 +405,68 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
 
 
 @app.command(cls=_Command)
+@user_errors
+def analyze(
+    recipe: RecipeArg,
+    stats: Annotated[
+        Path | None,
+        typer.Option("--stats", help="Stats file (default: the recipe's; calibrates if none)."),
+    ] = None,
+    mode: Annotated[
+        str,
+        typer.Option("--mode", help="one-at-a-time | all-but-one | layer | all (or a comma list)."),
+    ] = "all",
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            "--candidates",
+            help="Precisions to try per node, e.g. int8,int4 (int4: weighted nodes, opset 21). "
+            "Default: int8, and int4 on an opset-21 ort-cpu model.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int, typer.Option("--samples", min=1, help="Evaluation samples to score on.")
+    ] = 128,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="accuracy | agreement | cosine | sqnr. Default: the gate `qtool evaluate` "
+            "judges (evaluation.metric / min_cosine / min_sqnr; accuracy with labels).",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="PNG plot path (default: OUTPUT/sensitivity.png)."),
+    ] = None,
+    cache: Annotated[
+        bool, typer.Option("--cache/--no-cache", help="Reuse measurements of earlier runs.")
+    ] = True,
+    output_dir: OutputOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Measure each quantized node's sensitivity: quantized alone, kept float alone, and its
+    SQNR layer by layer; writes sensitivity.json, plan.yaml and a plot."""
+    from qtool.analyze.command import run
+    from qtool.recipe import load_recipe
+
+    loaded = load_recipe(recipe, output_dir)
+    with _phase_display(progress):
+        run(
+            loaded,
+            console,
+            stats=stats,
+            mode=mode,
+            candidates=candidates,
+            samples=samples,
+            metric=metric,
+            plot=plot,
+            use_cache=cache,
+            progress=progress,
+        )
+
+
+@app.command(cls=_Command)
 def doctor() -> None:
     """Show versions and which compiled kernel backends and ONNX Runtime providers are usable."""
     import onnx
