@@ -11,7 +11,7 @@ from qtool.analyze.plan_file import plan_yaml
 from qtool.analyze.plot import PlotUnavailable, plot_png
 from qtool.analyze.report import layer_table, sensitivity_json, sensitivity_table, summary_lines
 from qtool.analyze.result import SensitivityResult
-from qtool.analyze.sensitivity import analyze, parse_candidates, parse_modes
+from qtool.analyze.sensitivity import analyze, check_request, parse_candidates, parse_modes
 from qtool.io import commit_files
 from qtool.pipeline import prepare
 from qtool.recipe import Recipe
@@ -32,6 +32,7 @@ def run(
 ) -> SensitivityResult:
     modes = parse_modes(mode)
     chosen = parse_candidates(candidates) if candidates is not None else None
+    check_request(recipe, samples, metric)
     prepared = prepare(recipe)
     result = analyze(
         recipe,

@@ -101,7 +101,6 @@ def to_dict(result: SensitivityResult) -> dict:
             "seconds": round(result.seconds, 4),
             "seconds_per_node": round(result.seconds / max(len(result.nodes), 1), 4),
             "layer_seconds": round(result.layer_seconds, 4),
-            "from_cache": result.cached,
         },
         "cache_key": result.key,
         "notes": list(result.notes),
@@ -173,28 +172,37 @@ def sensitivity_table(result: SensitivityResult) -> Table:
     if basis is not None:
         finite = [result.sensitivity(n)[basis] for n in result.nodes]
         top = max((v for v in finite if math.isfinite(v)), default=0.0)
+    columns = []
+    if "one-at-a-time" in result.modes:
+        columns.append(f"{'/'.join(result.candidates)}: the node alone at that precision")
+    if "all-but-one" in result.modes:
+        columns.append("float: the plan with the node alone float")
+    if "layer" in result.modes:
+        columns.append("dB: its output SQNR in the full plan")
+    caption = f"penalty ({result.metric.penalty_unit}) of {'; '.join(columns)}"
+    if basis is not None:
+        caption += f". Bars: {SENSITIVITY_PARTS[basis]}"
     table = Table(
         title=f"Sensitivity of {len(result.nodes)} nodes, most sensitive first",
-        caption=f"penalty: {result.metric.penalty_unit}"
-        + ("" if basis is None else f"; bars: {SENSITIVITY_PARTS[basis]}"),
+        caption=caption,
         box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
     table.add_column("#", justify="right")
     table.add_column("node", no_wrap=True, min_width=12)
-    table.add_column("op")
     table.add_column("plan")
     one = "one-at-a-time" in result.modes
     if one:
         for candidate in result.candidates:
-            table.add_column(f"{candidate} alone", justify="right")
+            table.add_column(candidate, justify="right")
     if "all-but-one" in result.modes:
-        table.add_column("all but it", justify="right")
+        table.add_column("float", justify="right")
     if "layer" in result.modes:
-        table.add_column("SQNR dB", justify="right")
+        table.add_column("dB", justify="right")
     table.add_column("", no_wrap=True)
     table.add_column("s", justify="right")
     for rank, node in enumerate(result.ranking(), start=1):
-        cells = [str(rank), node.name, node.op_type, node.planned]
+        cells = [str(rank), node.name, node.planned]
         if one:
             for candidate in result.candidates:
                 cells.append(_cell(result, node.one_at_a_time.get(candidate)))

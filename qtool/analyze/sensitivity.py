@@ -38,7 +38,7 @@ from qtool.analyze.result import (
     SensitivityResult,
     _num,
 )
-from qtool.analyze.scoring import Metric, Scorer
+from qtool.analyze.scoring import METRICS, Metric, Scorer
 from qtool.analyze.variants import Assembler, pin, union_layout
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
@@ -163,11 +163,21 @@ def _units(prepared: PreparedModel) -> list[NodeSensitivity]:
     return units
 
 
-def _analysis_batches(recipe: Recipe, samples: int) -> list[Batch]:
+def check_request(recipe: Recipe, samples: int, metric: str | None) -> None:
+    """Refuse what cannot work before anything slow runs (export, calibration)."""
     if recipe.evaluation is None:
         raise RecipeError(
             f"{recipe.path}: evaluation: is required for `qtool analyze` (its data is scored)"
         )
+    if samples < 1:
+        raise RecipeError(f"--samples: must be >= 1, got {samples}")
+    if metric is not None and metric not in METRICS:
+        raise RecipeError(f"--metric: must be one of {', '.join(METRICS)}, got {metric!r}")
+
+
+def analysis_batches(recipe: Recipe, samples: int) -> list[Batch]:
+    """The first `samples` samples of the recipe's evaluation data."""
+    check_request(recipe, samples, None)
     spec = recipe.evaluation
     return list(
         iter_batches(spec.data, recipe.inputs, min(spec.batch_size, samples), samples, recipe.seed)
@@ -289,13 +299,12 @@ def analyze(
     `prepared`: the recipe's prepared model when the caller has it (pipeline.prepare).
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
-    if samples < 1:
-        raise RecipeError(f"--samples: must be >= 1, got {samples}")
+    check_request(recipe, samples, metric)
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
     notes: list[str] = []
-    batches = _analysis_batches(recipe, samples)
+    batches = analysis_batches(recipe, samples)
     prepared = prepared if prepared is not None else prepare(recipe)
     chosen = _candidates(recipe, prepared, candidates, notes)
     units = _units(prepared)
@@ -348,7 +357,7 @@ def analyze(
                 if variant.mode == "full":
                     full_model = model
                 score = scorer.score(model.SerializeToString())
-                seconds = time.perf_counter() - start
+                seconds = round(time.perf_counter() - start, 4)  # as the cache stores it
                 measured = Measurement(
                     score.value, score.penalty, score.sqnr_db, score.cosine, seconds
                 )
@@ -363,7 +372,7 @@ def analyze(
             if full_model is None:
                 full_model = assembler.build(assembler.layout(()))
             scores = layer_sqnr(prepared.model, full_model, prepared.layout.plan, batches, threads)
-            cache.layer = (time.perf_counter() - start, scores)
+            cache.layer = (round(time.perf_counter() - start, 4), scores)
             bar.advance(task)
     cache.save()
 
