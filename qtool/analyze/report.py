@@ -23,7 +23,7 @@ from qtool.analyze.result import (
     _num,
 )
 
-BAR_WIDTH = 12
+BAR_WIDTH = 10
 
 
 def _measurement(result: SensitivityResult, measured: Measurement) -> dict:
@@ -132,7 +132,8 @@ def format_penalty(result: SensitivityResult, penalty: float) -> str:
         return "n/a"
     if result.metric.name in ("accuracy", "agreement"):
         return f"{penalty + 0.0:+.2f}"
-    return f"{penalty:.2e}"
+    mantissa, exponent = f"{penalty:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def _db(value: float | None) -> str:
@@ -141,6 +142,26 @@ def _db(value: float | None) -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return f"{value:.2f}"
+
+
+def name_prefix(names: list[str]) -> str:
+    """The folder-like prefix every node name shares ('/encoder/encoder/'), cut from the table
+    so long exported names leave room for the numbers; '' when they share none."""
+    if len(names) < 2:
+        return ""
+    prefix = names[0]
+    for name in names[1:]:
+        while not name.startswith(prefix):
+            prefix = prefix[:-1]
+    return prefix[: prefix.rfind("/") + 1] if "/" in prefix else ""
+
+
+def _prefix_note(prefix: str) -> str:
+    return f"Node names under {prefix}. " if prefix else ""
+
+
+def _number_column(table: Table, header: str) -> None:
+    table.add_column(header, justify="right", no_wrap=True, min_width=max(len(header), 5))
 
 
 def _bar(value: float, top: float) -> Text:
@@ -176,10 +197,15 @@ def sensitivity_table(result: SensitivityResult) -> Table:
     if "one-at-a-time" in result.modes:
         columns.append(f"{'/'.join(result.candidates)}: the node alone at that precision")
     if "all-but-one" in result.modes:
-        columns.append("float: the plan with the node alone float")
+        columns.append("float: what the full plan recovers with the node alone float (+ = better)")
     if "layer" in result.modes:
         columns.append("dB: its output SQNR in the full plan")
-    caption = f"penalty ({result.metric.penalty_unit}) of {'; '.join(columns)}"
+    prefix = name_prefix([n.name for n in result.nodes])
+    plans = {n.planned for n in result.nodes}
+    caption = _prefix_note(prefix)
+    if len(plans) == 1:
+        caption += f"Every node is {plans.pop()} in the recipe's plan. "
+    caption += f"Penalty ({result.metric.penalty_unit}) of {'; '.join(columns)}"
     if basis is not None:
         caption += f". Bars: {SENSITIVITY_PARTS[basis]}"
     table = Table(
@@ -188,26 +214,29 @@ def sensitivity_table(result: SensitivityResult) -> Table:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("#", justify="right")
-    table.add_column("node", no_wrap=True, min_width=12)
-    table.add_column("plan")
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("node", overflow="fold", min_width=12)
+    mixed = len({n.planned for n in result.nodes}) > 1
+    if mixed:
+        table.add_column("plan", no_wrap=True)
     one = "one-at-a-time" in result.modes
     if one:
         for candidate in result.candidates:
-            table.add_column(candidate, justify="right")
+            _number_column(table, candidate)
     if "all-but-one" in result.modes:
-        table.add_column("float", justify="right")
+        _number_column(table, "float")
     if "layer" in result.modes:
-        table.add_column("dB", justify="right")
-    table.add_column("", no_wrap=True)
-    table.add_column("s", justify="right")
+        _number_column(table, "dB")
+    table.add_column("", no_wrap=True, min_width=BAR_WIDTH)
+    _number_column(table, "s")
     for rank, node in enumerate(result.ranking(), start=1):
-        cells = [str(rank), node.name, node.planned]
+        cells = [str(rank), node.name[len(prefix) :]] + ([node.planned] if mixed else [])
         if one:
             for candidate in result.candidates:
                 cells.append(_cell(result, node.one_at_a_time.get(candidate)))
         if "all-but-one" in result.modes:
-            cells.append(_cell(result, node.all_but_one))
+            recovery = result.recovery(node.name)
+            cells.append("skipped" if recovery is None else format_penalty(result, recovery))
         if "layer" in result.modes:
             cells.append(_db(node.layer.sqnr_out_db if node.layer is not None else None))
         value = result.sensitivity(node)[basis] if basis is not None else 0.0
@@ -225,18 +254,22 @@ def _cell(result: SensitivityResult, measured: Measurement | None) -> str:
 
 def layer_table(result: SensitivityResult) -> Table:
     """Graph order: how the error enters (input SQNR, after its Q/DQ) and grows at each node."""
+    prefix = name_prefix([n.name for n in result.nodes])
     table = Table(
-        title="Layer by layer, fully quantized vs float (unfused, graph order)",
-        caption="SQNR in: the node's data input as it reads it (after its Q/DQ)",
+        title="Layer by layer: fully quantized vs float (unfused, graph order)",
+        caption=_prefix_note(prefix)
+        + "SQNR dB of the node's data input as it reads it (after its Q/DQ) and of its "
+        "output; lost: in - out",
         box=box.SIMPLE_HEAD,
     )
-    table.add_column("node", no_wrap=True, min_width=12)
-    table.add_column("op")
-    table.add_column("plan")
-    table.add_column("SQNR in dB", justify="right")
-    table.add_column("SQNR out dB", justify="right")
-    table.add_column("lost dB", justify="right")
-    table.add_column("", no_wrap=True)
+    table.add_column("node", overflow="fold", min_width=12)
+    mixed = len({n.layer.precision for n in result.nodes if n.layer is not None}) > 1
+    if mixed:
+        table.add_column("plan", no_wrap=True)
+    _number_column(table, "in dB")
+    _number_column(table, "out dB")
+    _number_column(table, "lost")
+    table.add_column("", no_wrap=True, min_width=BAR_WIDTH)
     lost = [
         n.layer.lost_db
         for n in result.nodes
@@ -249,9 +282,8 @@ def layer_table(result: SensitivityResult) -> Table:
         layer = node.layer
         value = layer.lost_db if layer.lost_db is not None else math.nan
         table.add_row(
-            node.name,
-            node.op_type,
-            layer.precision,
+            node.name[len(prefix) :],
+            *([layer.precision] if mixed else []),
             _db(layer.sqnr_in_db),
             _db(layer.sqnr_out_db),
             _db(layer.lost_db),
