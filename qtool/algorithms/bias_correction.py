@@ -26,7 +26,7 @@ from qtool.errors import CalibrationError, DataError
 from qtool.ort_session import create_session, ort_reason
 
 # Ops whose bias input (index 2) adds one value per output channel on this axis.
-_CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1}
+_CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,25 @@ class Correction:
 
 
 def bias_targets(model: onnx.ModelProto, nodes: Iterable[str]) -> list[BiasTarget]:
-    """The named nodes that have a constant per-channel bias (Conv, ConvTranspose, Gemm)."""
+    """The named nodes that have a constant per-channel bias: Conv, ConvTranspose and Gemm with
+    a bias input, and MatMul whose only reader is an Add of a 1-D constant."""
     wanted = set(nodes)
     initializers = {init.name: init for init in model.graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
     targets = []
     for node in model.graph.node:
+        if node.name in wanted and node.op_type == "MatMul":
+            # A Linear exported as MatMul + Add(bias): the Add's constant absorbs the shift.
+            readers = consumers.get(node.output[0], [])
+            if len(readers) == 1 and readers[0].op_type == "Add":
+                add = readers[0]
+                bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+                if bias in initializers and len(initializers[bias].dims) == 1:
+                    targets.append(BiasTarget(node.name, "MatMul", add.output[0], bias))
+            continue
         if node.name not in wanted or node.op_type not in _CHANNEL_AXIS:
             continue
         if len(node.input) < 3 or node.input[2] not in initializers:
@@ -125,14 +139,14 @@ def local_model(
         chain = [twin]
         if node.output[0] != target.output:  # the writer split the bias into an Add
             tail = producer.get(target.output)
-            if tail is None or tail.op_type != "Add" or tail.input[0] != node.output[0]:
+            if tail is None or tail.op_type != "Add" or node.output[0] not in tail.input:
                 raise CalibrationError(
                     f"bias correction: cannot follow '{target.node}' to '{target.output}'"
                 )
             add = onnx.NodeProto()
             add.CopyFrom(tail)
             add.name = tail.name + _LOCAL
-            add.input[0] = node.output[0] + _LOCAL
+            add.input[list(tail.input).index(node.output[0])] = node.output[0] + _LOCAL
             chain.append(add)
         for part in chain:
             _use_quantized_initializers(part, q_inits, have, added_inits, out.graph)
