@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from qtool.errors import CalibrationError, RecipeError
+from qtool.errors import CalibrationError, RecipeError, first_line
 
 T = TypeVar("T")
 
@@ -105,6 +105,10 @@ class Group:
         """Rank 0: the one that writes files and prints."""
         return self.rank == 0
 
+    def describe(self) -> str:
+        """' (rank r of W)' for messages; empty in a single process."""
+        return "" if self.world == 1 else f" (rank {self.rank} of {self.world})"
+
     def _dist(self):
         import torch.distributed as dist
 
@@ -116,6 +120,17 @@ class Group:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         return tensor.to(self._device) if self._device is not None else tensor
 
+    def _collective(self, what: str, call) -> None:
+        """Run one collective; a peer that failed (its own error printed above) breaks the group,
+        which torch reports as a multi-line RuntimeError: name it in one line instead."""
+        try:
+            call()
+        except RuntimeError as exc:
+            raise CalibrationError(
+                f"rank {self.rank} of {self.world}: {what} failed, another rank stopped (see its "
+                f"error): {first_line(exc)}"
+            ) from None
+
     def all_reduce(self, array: np.ndarray, op: str) -> np.ndarray:
         """Element-wise "sum" | "min" | "max" of `array` over all ranks (a new array)."""
         if self.world == 1:
@@ -123,7 +138,7 @@ class Group:
         dist = self._dist()
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         tensor = self._to_torch(np.array(array, copy=True))
-        dist.all_reduce(tensor, op=ops[op])
+        self._collective("merging statistics", lambda: dist.all_reduce(tensor, op=ops[op]))
         return tensor.cpu().numpy()
 
     def all_gather_object(self, value: Any) -> list[Any]:
@@ -131,7 +146,8 @@ class Group:
         if self.world == 1:
             return [value]
         gathered: list[Any] = [None] * self.world
-        self._dist().all_gather_object(gathered, value)
+        dist = self._dist()
+        self._collective("exchanging metadata", lambda: dist.all_gather_object(gathered, value))
         return gathered
 
     def sum_in_rank_order(self, array: np.ndarray) -> np.ndarray | None:
@@ -142,12 +158,13 @@ class Group:
             return np.array(array, copy=True)
         dist = self._dist()
         if not self.primary:
-            dist.send(self._to_torch(array), dst=0)
+            tensor = self._to_torch(array)
+            self._collective("sending Hessians", lambda: dist.send(tensor, dst=0))
             return None
         total = np.array(array, copy=True)
         buffer = self._to_torch(np.empty_like(total))
         for source in range(1, self.world):
-            dist.recv(buffer, src=source)
+            self._collective("receiving Hessians", lambda s=source: dist.recv(buffer, src=s))
             total += buffer.cpu().numpy()
         return total
 
@@ -203,7 +220,7 @@ def current() -> Group:
             dist.init_process_group(backend=backend)
         except (RuntimeError, ValueError) as exc:
             raise CalibrationError(
-                f"torch.distributed ({backend}) did not start: {str(exc).splitlines()[0]} "
+                f"torch.distributed ({backend}) did not start: {first_line(exc)} "
                 "(launch with torchrun, which sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
             ) from None
     _current = group

@@ -145,7 +145,7 @@ def _run_calibration(
         stats, hessians = collect(
             prepared.model,
             tensors,
-            digest.tap(part.select(batches, f"{recipe.path}: calibration")),
+            digest.tap(part.select(batches, f"{recipe.path}: calibration{group.describe()}")),
             bins=spec.bins,
             hessian_tensors=hessian_tensors,
             device=kernels.default_device(),

@@ -365,3 +365,56 @@ def test_torchrun_two_processes_write_the_single_process_stats_file(digits_run, 
     assert (out / "stats.npz").read_bytes() == (digits_run.out / "stats.npz").read_bytes()
     index = json.loads(zipfile.ZipFile(out / "stats.npz").read("index.json"))
     assert "shard" not in index and index["data_digest"]["samples"] == 512
+
+
+def test_sharded_onnx_calibration_and_merge_never_import_torch(tmp_path: Path) -> None:
+    """torch.distributed is for torchrun only: an ONNX model's shard runs and merge stay light."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        initializer=[numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    (tmp_path / "recipe.yaml").write_text(
+        "model: {onnx: m.onnx}\ninputs: {x: [4, 16]}\n"
+        "calibration: {data: {synthetic: true, samples: 20}, batch_size: 4}\n"
+    )
+    script = """
+from typer.testing import CliRunner
+from qtool.cli import app
+run = CliRunner().invoke
+for args in (["calibrate", "recipe.yaml", "-o", "one", "--no-progress"],
+             ["calibrate", "recipe.yaml", "-o", "s0", "--shard", "0/3", "--no-progress"],
+             ["calibrate", "recipe.yaml", "-o", "s1", "--shard", "1/3", "--no-progress"],
+             ["calibrate", "recipe.yaml", "-o", "s2", "--shard", "2/3", "--no-progress"],
+             ["stats", "merge", "s2/stats.npz", "s0/stats.npz", "-o", "two/stats.npz"],
+             ["stats", "merge", "two/stats.npz", "s1/stats.npz", "-o", "all/stats.npz"]):
+    result = run(app, args)
+    assert result.exit_code == 0, (args, result.output)
+import sys
+print(" ".join(sorted(sys.modules)))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert "onnxruntime" in loaded and not loaded & {"torch", "sklearn", "transformers"}
+    # 5 batches over 3 shards, merged in two steps (a partial merge records shards 0,2 of 3).
+    assert read_stats_file(tmp_path / "two" / "stats.npz").shard.indices == (0, 2)
+    whole = (tmp_path / "one" / "stats.npz").read_bytes()
+    assert (tmp_path / "all" / "stats.npz").read_bytes() == whole
