@@ -11,12 +11,14 @@ wrong tensors.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from qtool import __version__, distributed, kernels, provenance
+from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.collect import collect
 from qtool.calibration.data_digest import DataDigest
@@ -239,9 +241,24 @@ def quantize(
         model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
     biases = bias_parameters(model, layout, activations, weights)
-    quantized = write_qdq_model(
-        model, layout, activations, weights, biases, recipe.quantization.target
-    )
+    target = recipe.quantization.target
+
+    def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
+        float_biases = bias_parameters(float_model, layout, activations, weights)
+        return write_qdq_model(float_model, layout, activations, weights, float_biases, target)
+
+    quantized = write_qdq_model(model, layout, activations, weights, biases, target)
+    algorithms = {}
+    correction = recipe.quantization.algorithm("bias_correction")
+    if correction is not None:
+        with phase("bias correction"):
+            quantized, algorithms["bias_correction"] = apply_bias_correction(
+                model,
+                quantized,
+                layout.quantized_nodes(),
+                write,
+                lambda: _calibration_inputs(recipe, correction["samples"]),
+            )
     provenance.stamp(
         quantized,
         {
@@ -275,6 +292,7 @@ def quantize(
     report = build_report(
         recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
     )
+    report["algorithms"] = algorithms
     commit_files(
         {
             **calibration.files,
@@ -286,6 +304,14 @@ def quantize(
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )
+
+
+def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
+    """The first `samples` calibration inputs, read afresh (for a pass after calibration)."""
+    spec = recipe.calibration
+    limit = min(samples, spec.max_samples or samples)
+    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, limit, recipe.seed)
+    return (batch.inputs for batch in batches)
 
 
 def _verify_feeds(recipe: Recipe) -> list[dict]:
