@@ -396,3 +396,14 @@ def test_without_matplotlib_a_note_says_how_to_get_it(folder, first_run, cli, mo
         result.output.split()
     )
     assert not plot.exists()
+
+
+def test_algorithms_the_variants_do_not_apply_are_named(folder, recipe21):
+    _, prepared = recipe21
+    path = _write(
+        folder / "recipe-bc.yaml",
+        "base: recipe21.yaml\nquantization: {algorithms: [bias_correction]}\n",
+    )
+    recipe = load_recipe(path, folder / "out")
+    result = analyze(recipe, modes=("layer",), samples=SAMPLES, progress=False, prepared=prepared)
+    assert any("bias_correction) are not applied" in note for note in result.notes)

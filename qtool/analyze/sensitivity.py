@@ -307,6 +307,12 @@ def analyze(
     batches = analysis_batches(recipe, samples)
     prepared = prepared if prepared is not None else prepare(recipe)
     chosen = _candidates(recipe, prepared, candidates, notes)
+    algorithms = [name for name, _ in recipe.quantization.algorithms]
+    if algorithms:
+        notes.append(
+            f"quantization.algorithms ({', '.join(algorithms)}) are not applied to the analysed "
+            "variants: their numbers are for the plan without them"
+        )
     units = _units(prepared)
     variants = _variants(units, modes, chosen)
 
