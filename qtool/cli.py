@@ -180,6 +180,13 @@ def quantize(
     )
     for group, entry in result.report["low_bit"].items():
         console.print(f"{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False)
+    speed = result.report.get("low_bit_speed")
+    if speed:
+        console.print(
+            f"measured on {speed['cpu']} (batch {speed['batch']}, {speed['threads']} thread): "
+            f"{speed['speedup']:.2f}x FP32's speed, {speed['verdict']}",
+            highlight=False,
+        )
     for warning in result.warnings:
         errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)

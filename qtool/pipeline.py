@@ -18,7 +18,10 @@ from pathlib import Path
 import onnx
 
 from qtool import __version__, kernels, provenance
-from qtool.calibration.collect import collect_statistics
+from qtool.algorithms.bias_correction import apply_bias_correction
+from qtool.algorithms.gptq import HessianAccumulator
+from qtool.calibration.collect import collect
+from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_file_bytes
 from qtool.data import Batch, count_samples_hint, iter_batches
@@ -124,10 +127,11 @@ class _DataFingerprint:
 
 @dataclass
 class Calibration:
-    """Statistics of one calibration run and the files it produces, not yet written: calibrate
-    commits them alone, quantize together with its own outputs (all or nothing)."""
+    """Statistics (and GPTQ Hessians) of one calibration run and the files it produces, not yet
+    written: calibrate commits them alone, quantize together with its own outputs."""
 
     stats: list[TensorStats]
+    hessians: dict[str, HessianAccumulator]
     files: dict[Path, bytes]
     data_sha256: str | None
 
@@ -135,19 +139,21 @@ class Calibration:
 def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) -> Calibration:
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
-    if not tensors:  # weight-only round-to-nearest: nothing to observe, no data to read
-        stats: list[TensorStats] = []
-        data_sha256 = None
-    else:
+    hessian_tensors = prepared.layout.hessian_tensors()
+    stats: list[TensorStats] = []
+    hessians: dict[str, HessianAccumulator] = {}
+    data_sha256 = None
+    if tensors or hessian_tensors:  # weight-only round-to-nearest needs no data at all
         fingerprint = _DataFingerprint()
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
         )
-        stats = collect_statistics(
+        stats, hessians = collect(
             prepared.model,
             tensors,
             fingerprint.tap(batches),
             bins=spec.bins,
+            hessian_tensors=hessian_tensors,
             device=kernels.default_device(),
             total_samples=count_samples_hint(spec.data, spec.max_samples),
             progress=progress,
@@ -155,7 +161,11 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
         data_sha256 = fingerprint.hexdigest()
     stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
     files = {recipe.stats_path: stats_bytes, recipe.float_model_path: prepared.serialized}
-    return Calibration(stats, files, data_sha256)
+    if hessian_tensors:
+        files[recipe.hessians_path] = hessian_file_bytes(
+            hessians, prepared.fingerprint, data_sha256
+        )
+    return Calibration(stats, hessians, files, data_sha256)
 
 
 def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
@@ -165,21 +175,43 @@ def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) ->
     return run.stats
 
 
+def _hessians_for(prepared: PreparedModel, stats_path: Path) -> dict[str, HessianAccumulator]:
+    """The GPTQ Hessians the calibration run wrote beside `stats_path`, when the plan needs any."""
+    needed = prepared.layout.hessian_tensors()
+    if not needed:
+        return {}
+    path = stats_path.parent / "hessians.npz"
+    if not path.is_file():
+        raise CalibrationError(
+            f"{path}: not found; weights with method gptq need the Hessians that `qtool "
+            "calibrate` writes with this recipe (re-run it)"
+        )
+    hessians = load_hessians(path, prepared.fingerprint)
+    missing = [name for name in needed if name not in hessians]
+    if missing:
+        raise CalibrationError(
+            f"{path}: has no Hessian for layer input '{missing[0]}' ({len(missing)} missing; "
+            "re-run `qtool calibrate` with this recipe)"
+        )
+    return hessians
+
+
 def _statistics(
     recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
-) -> tuple[dict[str, TensorStats], Path, str | None, dict[Path, bytes]]:
-    """(stats by tensor, stats file, calibration data digest, calibration files to commit)."""
+) -> tuple[Calibration, Path]:
+    """This run's statistics: from a new calibration run (its files not written yet), or read
+    from `stats_path` (no files to write)."""
     if stats_path is None:
-        run = _run_calibration(recipe, prepared, progress)
-        stats = {s.name: s for s in run.stats}
-        return stats, recipe.stats_path, run.data_sha256, run.files
+        return _run_calibration(recipe, prepared, progress), recipe.stats_path
     stats, fingerprint = load_stats(stats_path)
     if fingerprint != prepared.fingerprint:
         raise CalibrationError(
             f"{stats_path}: collected on a different model than {recipe.path} describes "
             "(re-run `qtool calibrate`)"
         )
-    return stats, stats_path, stats_data_sha256(stats_path), {}
+    hessians = _hessians_for(prepared, stats_path)
+    run = Calibration(list(stats.values()), hessians, {}, stats_data_sha256(stats_path))
+    return run, stats_path
 
 
 def quantize(
@@ -187,19 +219,35 @@ def quantize(
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
     prepared = prepare(recipe)
-    stats, stats_path, data_sha256, calibration_files = _statistics(
-        recipe, prepared, stats_path, progress
-    )
+    calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
     device = kernels.default_device()
     cpu = resolve_cpu(recipe.quantization.cpu)
     symmetric = recipe.quantization.symmetric_activations
     activations = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
-    weights = weight_parameters(model, layout, recipe.quantization, cpu, device)
-    biases = bias_parameters(model, layout, activations, weights)
-    quantized = write_qdq_model(
-        model, layout, activations, weights, biases, recipe.quantization.target
+    weights = weight_parameters(
+        model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
+    biases = bias_parameters(model, layout, activations, weights)
+    target = recipe.quantization.target
+
+    def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
+        float_biases = bias_parameters(float_model, layout, activations, weights)
+        return write_qdq_model(float_model, layout, activations, weights, float_biases, target)
+
+    quantized = write_qdq_model(model, layout, activations, weights, biases, target)
+    algorithms = {}
+    correction = recipe.quantization.algorithm("bias_correction")
+    if correction is not None:
+        with phase("bias correction"):
+            quantized, algorithms["bias_correction"] = apply_bias_correction(
+                model,
+                quantized,
+                layout.quantized_nodes(),
+                write,
+                lambda: _calibration_inputs(recipe, correction["samples"]),
+            )
     provenance.stamp(
         quantized,
         {
@@ -207,7 +255,7 @@ def quantize(
             provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
             provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
             provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
-            provenance.CALIBRATION_DATA_SHA256: data_sha256 or "unknown",
+            provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
         },
     )
     serialized = quantized.SerializeToString()
@@ -217,7 +265,12 @@ def quantize(
         raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
     with phase("verifying what ONNX Runtime runs"):
         verification = verify(
-            serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+            serialized,
+            layout.plan,
+            _verify_feeds(recipe),
+            cpu,
+            target=recipe.quantization.target,
+            float_model=prepared.serialized,
         )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     files = {
@@ -228,9 +281,10 @@ def quantize(
     report = build_report(
         recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
     )
+    report["algorithms"] = algorithms
     commit_files(
         {
-            **calibration_files,
+            **calibration.files,
             recipe.quant_model_path: serialized,
             recipe.float_model_path: prepared.serialized,
             recipe.report_path: report_bytes(report),
@@ -239,6 +293,14 @@ def quantize(
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )
+
+
+def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
+    """The first `samples` calibration inputs, read afresh (for a pass after calibration)."""
+    spec = recipe.calibration
+    limit = min(samples, spec.max_samples or samples)
+    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, limit, recipe.seed)
+    return (batch.inputs for batch in batches)
 
 
 def _verify_feeds(recipe: Recipe) -> list[dict]:

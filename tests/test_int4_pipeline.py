@@ -20,10 +20,13 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.algorithms.gptq import hessian_error
+from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import RecipeError
-from qtool.quantize.int4 import dequantize, quantize_blockwise
+from qtool.quantize.int4 import BlockwiseWeight, dequantize, quantize_blockwise
 from qtool.recipe import load_recipe
+from qtool.runtime.cpu import detect_cpu
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -73,6 +76,10 @@ def test_digits_int4_gemms_become_matmulnbits_and_convs_run_float(digits_int4, t
     assert nodes["/conv1/Conv"]["runtime"]["reason"].startswith("ORT has no 4-bit Conv kernel")
     assert "int4 Conv: 3 nodes, smaller file only" in " ".join(result.output.split())
     assert "warning" not in result.output  # weight-only Convs are expected to run float
+    speed = report["low_bit_speed"]  # measured here: faster, or only smaller, on this CPU
+    assert speed["cpu"] == detect_cpu().describe() and speed["fp32_ms_median"] > 0
+    faster = speed["speedup"] >= 1.05
+    assert speed["verdict"] == ("faster" if faster else "only smaller: no speed-up on this CPU")
 
 
 def test_digits_int4_keeps_accuracy_and_shrinks_the_file(digits_int4, cli, tmp_path):
@@ -153,30 +160,6 @@ def _write_recipe(folder: Path, quantization: dict, model: str = "model.onnx") -
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def _embedding_model(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """ids -> Gather(table [50, 64]) -> MatMul(W [64, 32]) (+ x @ W2) -> y: a tiny encoder."""
-    rng = np.random.default_rng(0)
-    table = rng.normal(size=(50, 64)).astype(np.float32)
-    weight = rng.normal(size=(64, 32)).astype(np.float32)
-    nodes = [
-        helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
-        helper.make_node("Add", ["emb", "x"], ["h"], name="add"),
-        helper.make_node("MatMul", ["h", "w"], ["y"], name="proj"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "emb",
-        [
-            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 6]),
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 32])],
-        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "w")],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return table, weight
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -353,3 +336,47 @@ def test_weight_only_round_to_nearest_needs_no_statistics(tmp_path, cli):
     assert report["summary"]["weight_only_nodes"] == 1
     node = next(n for n in report["nodes"] if n["name"] == "proj")
     assert node["runtime"]["runs_as"] == "MatMulNBits"
+
+
+def test_gptq_streams_hessians_and_beats_round_to_nearest_on_them(digits_int4, cli, tmp_path):
+    folder, _, _ = digits_int4
+    recipe = folder / "recipe-gptq.yaml"
+    recipe.write_text(
+        "base: recipe-int4.yaml\nquantization:\n  weights: {method: gptq, block_size: 16}\n"
+    )
+    out = tmp_path / "gptq"
+    assert cli("calibrate", recipe, "-o", out, "--no-progress").exit_code == 0
+    hessians = load_hessians(out / "hessians.npz", load_stats(out / "stats.npz")[1])
+    assert sorted(hessians) == ["/flatten/Flatten_output_0", "/relu4/Relu_output_0"]
+    result = cli("quantize", recipe, "--stats", out / "stats.npz", "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    nodes = {n["name"]: n for n in json.loads((out / "report.json").read_text())["nodes"]}
+    assert nodes["/fc1/Gemm"]["weight"]["method"] == "gptq"
+    assert nodes["/conv1/Conv"]["weight"]["method"] == "mse"  # gptq is for MatMul/Gemm
+    assert "gptq is for MatMul/Gemm" in nodes["/conv1/Conv"]["weight"]["reason"]
+
+    # On the calibration Hessian (the error GPTQ minimises), the written fc1 weight beats
+    # round-to-nearest with the same blocks.
+    fp32 = {
+        i.name: numpy_helper.to_array(i)
+        for i in onnx.load(str(out / "model.fp32.onnx")).graph.initializer
+    }
+    weight = np.ascontiguousarray(fp32["fc1.weight"].T)  # stored [K, N]
+    model = onnx.load(str(out / "model.int4.onnx"))
+    inits = {i.name: i for i in model.graph.initializer}
+    written = BlockwiseWeight(
+        values=numpy_helper.to_array(inits["fc1.weight_quantized"]).astype(np.int8),
+        scale=numpy_helper.to_array(inits["fc1.weight_scale"]),
+        zero_point=None,
+        bits=4,
+        axis=0,
+        block_size=16,
+    )
+    h = hessians["/flatten/Flatten_output_0"].xtx
+    rtn = quantize_blockwise(weight, block_size=16)
+    assert hessian_error(weight, written, h) < 0.9 * hessian_error(weight, rtn, h)
+
+    (out / "hessians.npz").unlink()
+    again = cli("quantize", recipe, "--stats", out / "stats.npz", "-o", out, "--no-progress")
+    assert again.exit_code == 2
+    assert "hessians.npz: not found" in " ".join(again.output.split())

@@ -26,12 +26,17 @@ from qtool.recipe import load_recipe  # noqa: E402
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "minilm" / "recipe.yaml"
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    recipe = load_recipe(RECIPE, output_dir=tmp_path_factory.mktemp("minilm"))
+def _quantized(path: Path, output_dir: Path):
+    """The example recipe on its first 64 calibration sentences (the test's time budget)."""
+    recipe = load_recipe(path, output_dir=output_dir)
     calibration = dataclasses.replace(recipe.calibration, max_samples=64)
     recipe = dataclasses.replace(recipe, calibration=calibration)
     return recipe, quantize(recipe, progress=False)
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    return _quantized(RECIPE, tmp_path_factory.mktemp("minilm"))
 
 
 def test_minilm_embeddings_stay_close_to_fp32(minilm):
@@ -61,3 +66,43 @@ def test_minilm_quantized_matmuls_all_fuse(minilm, tmp_path):
     assert ops["MatMul"] == 0 and ops["Gemm"] == 0, ops
     fused = ops["QLinearMatMul"] + ops["MatMulIntegerToFloat"] + ops["QGemm"]
     assert fused == quantized.get("MatMul", 0) + quantized.get("Gemm", 0)
+
+
+RECIPE_INT4 = RECIPE.with_name("recipe-int4.yaml")
+
+
+@pytest.fixture(scope="module")
+def minilm_int4(tmp_path_factory):
+    return _quantized(RECIPE_INT4, tmp_path_factory.mktemp("minilm-int4"))
+
+
+def test_minilm_int4_matmuls_become_matmulnbits_and_tables_gather_quantized(minilm_int4, tmp_path):
+    _, result = minilm_int4
+    planned = [n for n in result.report["nodes"] if n["precision"] == "int4"]
+    assert len(planned) == 36  # 6 layers x (q, k, v, attention output, FFN in, FFN out)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(result.model_path), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    ops = collections.Counter(n.op_type for n in optimized.graph.node)
+    assert ops["MatMulNBits"] == 36, ops
+    # Every MatMul ORT still runs in float is an activation x activation one (attention).
+    weights = {i.name for i in optimized.graph.initializer}
+    assert not [n for n in optimized.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    assert ops["GatherBlockQuantized"] == 3, ops  # word, position and token-type tables
+    tables = {i.name for i in optimized.graph.initializer if len(i.dims) == 2}
+    assert not [n for n in optimized.graph.node if n.op_type == "Gather" and n.input[0] in tables]
+    assert all(n["runtime"]["status"] == "fused" for n in planned)
+
+
+def test_minilm_int4_embeddings_stay_close_and_the_file_shrinks(minilm_int4):
+    recipe, result = minilm_int4
+    spec = recipe.evaluation
+    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size)
+    metrics = evaluate(
+        recipe.float_model_path, result.model_path, batches, latency_runs=2, progress=False
+    )
+    assert metrics.cosine > 0.985, metrics.cosine  # 0.9905 with the full calibration set
+    assert metrics.quant.file_bytes < 21e6, metrics.quant.file_bytes
+    assert metrics.low_bit.kernels["MatMulNBits"] == 36

@@ -42,9 +42,11 @@ __all__ = ["HessianAccumulator", "gptq_quantize", "hessian_error"]
 class HessianAccumulator:
     """Running XᵀX (float64) and row count of the inputs [..., K] of one layer.
 
-    Every leading dimension is a row (batch, sequence, ...). Merging adds the sums, so shards
-    merged in a fixed order give the same bytes as feeding their batches to one accumulator in
-    that order.
+    Every leading dimension is a row (batch, sequence, ...). Each batch's XᵀX is one float32
+    BLAS product (the activations are float32; float64 arithmetic tripled MiniLM's calibration
+    time for no GPTQ gain), added into the float64 running sum. Merging adds the sums: shards
+    merged in a fixed order always give the same bytes, and equal a single pass over the same
+    batches up to float64 rounding (addition is grouped differently).
     """
 
     def __init__(self, features: int, name: str = "input") -> None:
@@ -56,17 +58,18 @@ class HessianAccumulator:
         self.rows = 0
 
     def update(self, x: np.ndarray) -> None:
-        """Add the rows of x: memory is one batch in float64, never the history."""
+        """Add the rows of x: memory is one batch's XᵀX, never the history."""
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[-1] != self.features:
             raise DataError(
                 f"tensor {self.name!r}: expected last dimension {self.features}, got shape "
                 f"{x.shape}"
             )
-        flat = x.reshape(-1, self.features).astype(np.float64)
-        if not np.all(np.isfinite(flat)):
-            raise DataError(f"tensor {self.name!r} contains NaN or Inf")
-        self.xtx += flat.T @ flat
+        flat = np.ascontiguousarray(x.reshape(-1, self.features), dtype=np.float32)
+        product = flat.T @ flat  # BLAS syrk: exactly symmetric
+        if not np.all(np.isfinite(product)):
+            raise DataError(f"tensor {self.name!r} contains NaN or Inf (or overflows float32)")
+        self.xtx += product
         self.rows += flat.shape[0]
 
     def merge(self, other: HessianAccumulator) -> HessianAccumulator:

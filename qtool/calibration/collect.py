@@ -10,17 +10,23 @@ from that path. A session built from bytes keeps them (onnxruntime's Python wrap
 outputs are appended to the caller's graph only while it is serialized. ORT returns outputs as
 numpy arrays over its own buffers (no copy) and float32 contiguous arrays go to the kernels as
 they are, so the only per-batch memory is what the session itself allocates.
+
+Hessians for GPTQ ride on the same pass: a MatMul input [..., K] that is named in
+`hessian_tensors` is fetched with the observed tensors (each fetched once when it is both) and
+added to its running XᵀX, one K x K float64 matrix per tensor. The batch is cast to float64 for
+that product and dropped before the next batch, so memory stays flat in the sample count.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import onnx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data import Batch
 from qtool.errors import CalibrationError, ModelError
@@ -59,24 +65,64 @@ def save_with_extra_outputs(model: onnx.ModelProto, tensors: list[str], path: Pa
         del outputs[keep:]
 
 
-def collect_statistics(
+# ORT returns these as numpy float arrays; XᵀX is accumulated in float64 whatever they are.
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _hessian_accumulators(
+    model: onnx.ModelProto, tensors: list[str]
+) -> dict[str, HessianAccumulator | None]:
+    """One accumulator per tensor, sized by its inferred last dimension (None when that is not
+    a number: sized by the first batch instead; HessianAccumulator checks every later batch)."""
+    graph = model.graph
+    typed = {vi.name: vi for vi in list(graph.value_info) + list(graph.input) + list(graph.output)}
+    accumulators: dict[str, HessianAccumulator | None] = {}
+    for name in tensors:
+        if name not in typed:
+            raise CalibrationError(f"tensor '{name}' has no inferred type; cannot collect XᵀX")
+        tensor_type = typed[name].type.tensor_type
+        if tensor_type.elem_type not in _FLOAT_TYPES:
+            dtype = onnx.TensorProto.DataType.Name(tensor_type.elem_type)
+            raise CalibrationError(
+                f"tensor '{name}' is {dtype}; XᵀX (GPTQ) needs a float MatMul input"
+            )
+        dims = tensor_type.shape.dim if tensor_type.HasField("shape") else None
+        if dims is not None and len(dims) == 0:
+            raise CalibrationError(f"tensor '{name}' is a scalar; XᵀX needs an input [..., K]")
+        last = dims[-1] if dims else None
+        known = last is not None and last.HasField("dim_value") and last.dim_value > 0
+        accumulators[name] = HessianAccumulator(last.dim_value, name) if known else None
+    return accumulators
+
+
+def collect(
     model: onnx.ModelProto,
     tensors: list[str],
     batches: Iterable[Batch],
     *,
     bins: int,
+    hessian_tensors: Sequence[str] = (),
     device: str = "cpu",
     total_samples: int | None = None,
     progress: bool = True,
     threads: int | None = None,
-) -> list[TensorStats]:
-    """Statistics for each of `tensors`, in the given order."""
+) -> tuple[list[TensorStats], dict[str, HessianAccumulator]]:
+    """Statistics for each of `tensors` (in the given order) and XᵀX of each of
+    `hessian_tensors` (keyed by name, in the given order), from one ORT run per batch.
+
+    `device` is where the histogram kernels run; XᵀX is always float64 numpy on the CPU, so the
+    same batches give the same bytes whatever the device.
+    """
+    hessian_names = list(dict.fromkeys(hessian_tensors))
+    fetch = list(dict.fromkeys([*tensors, *hessian_names]))  # a tensor in both is fetched once
+    where = {name: i for i, name in enumerate(fetch)}
+    accumulators = _hessian_accumulators(model, hessian_names)
     with (
         phase("calibrating: loading the model into ONNX Runtime"),
         tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp,
     ):
         path = Path(tmp) / "calibration.onnx"
-        save_with_extra_outputs(model, tensors, path)
+        save_with_extra_outputs(model, fetch, path)
         try:
             session = create_session(path, threads=threads)  # ORT has read the file; it can go
         except ModelError as exc:  # name the model, not the temporary file
@@ -95,13 +141,54 @@ def collect_statistics(
         task = bar.add_task("calibrate", total=total_samples)
         for batch in batches:
             try:
-                values = session.run(tensors, batch.inputs)
+                values = session.run(fetch, batch.inputs)
             except Exception as exc:  # ORT raises its own exception types for bad feeds
                 raise CalibrationError(
                     f"ONNX Runtime failed on a calibration batch: {ort_reason(exc)}"
                 ) from None
-            for observer, array in zip(observers, values, strict=True):
-                observer.update(array)
+            for observer in observers:
+                observer.update(values[where[observer.name]])
+            for name in hessian_names:
+                array = values[where[name]]
+                accumulator = accumulators[name]
+                if accumulator is None:
+                    if array.ndim == 0 or array.shape[-1] < 1:
+                        raise CalibrationError(
+                            f"tensor '{name}' has shape {array.shape}; XᵀX needs an input [..., K]"
+                        )
+                    accumulator = accumulators[name] = HessianAccumulator(array.shape[-1], name)
+                accumulator.update(array)
             del values  # free this batch's outputs before ORT allocates the next batch's
             bar.advance(task, len(batch))
-    return [observer.result() for observer in observers]
+    stats = [observer.result() for observer in observers]
+    hessians = {}
+    for name, accumulator in accumulators.items():
+        if accumulator is None or accumulator.rows == 0:
+            raise CalibrationError(f"tensor '{name}' received no calibration data")
+        hessians[name] = accumulator
+    return stats, hessians
+
+
+def collect_statistics(
+    model: onnx.ModelProto,
+    tensors: list[str],
+    batches: Iterable[Batch],
+    *,
+    bins: int,
+    device: str = "cpu",
+    total_samples: int | None = None,
+    progress: bool = True,
+    threads: int | None = None,
+) -> list[TensorStats]:
+    """Statistics for each of `tensors`, in the given order (`collect` without Hessians)."""
+    stats, _ = collect(
+        model,
+        tensors,
+        batches,
+        bins=bins,
+        device=device,
+        total_samples=total_samples,
+        progress=progress,
+        threads=threads,
+    )
+    return stats

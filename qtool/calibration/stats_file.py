@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from qtool.calibration.archive import write_member
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
 
 FORMAT = "qtool-stats/1"
-_FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def save_stats(
@@ -59,19 +59,12 @@ def stats_file_bytes(
     }
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        _write_member(archive, "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
+        write_member(archive, "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
         for i, s in enumerate(stats):
             array_bytes = io.BytesIO()
             np.save(array_bytes, np.ascontiguousarray(s.counts, dtype=np.int64))
-            _write_member(archive, f"counts_{i}.npy", array_bytes.getvalue())
+            write_member(archive, f"counts_{i}.npy", array_bytes.getvalue())
     return buffer.getvalue()
-
-
-def _write_member(archive: zipfile.ZipFile, name: str, data: bytes) -> None:
-    info = zipfile.ZipInfo(name, date_time=_FIXED_TIME)
-    info.compress_type = zipfile.ZIP_DEFLATED
-    info.external_attr = 0o644 << 16
-    archive.writestr(info, data)
 
 
 def load_stats(path: Path) -> tuple[dict[str, TensorStats], str]:

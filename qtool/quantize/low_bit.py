@@ -43,6 +43,9 @@ def quantize_low_bit(
             bits=plan.bits,
             block_size=int(plan.block_size or 32),
             symmetric=plan.symmetric,
+            # Rows in decreasing H_ii order: on MiniLM (block 32, asymmetric) embedding cosine
+            # 0.9882 -> 0.9898; an mse grid inside GPTQ changed it by < 0.0002.
+            act_order=True,
             name=plan.tensor,
         )
     options = {"bits": plan.bits, "symmetric": plan.symmetric, "method": method}
