@@ -49,6 +49,7 @@ TABLES = ("float", "int4", "int8")
 # HQQ (asymmetric only: float zero points) and GPTQ (the vendored neural-compressor code).
 ORT_ALGOS = ("default", "default-al4", "hqq", "gptq")
 MODELS = ("minilm", "bert")
+SHIPPED_RECIPE = REPO / "examples" / "minilm" / "recipe-int4.yaml"
 LATENCY_BATCHES = (1, 8)
 # Op types read from the graph ORT optimizes: what actually runs the 4-bit weights.
 KERNEL_OPS = ("MatMulNBits", "GatherBlockQuantized", "DequantizeLinear", "MatMul", "Gather")
@@ -59,20 +60,64 @@ class Row:
     """One quantized model: which tool, scale method, symmetry, and the embedding tables."""
 
     tool: str  # "qtool" | "ort"
-    method: str  # qtool: minmax | mse | gptq; ort: default | default-al4 | hqq | gptq
+    # qtool: minmax | mse | gptq, or "recipe" (examples/minilm/recipe-int4.yaml's quantization);
+    # ort: default | default-al4 | hqq | gptq
+    method: str
     symmetric: bool
     table: str  # "float" | "int4" | "int8" (Gather data)
+    # Measured with session config session.qdq_matmulnbits_accuracy_level set to this (a qtool
+    # model measured a second time: same file, the compute ORT's own tool's models use).
+    level: int | None = None
 
     @property
     def tag(self) -> str:
-        return f"{self.tool}-{self.method}-{'sym' if self.symmetric else 'asym'}-{self.table}"
+        tag = f"{self.tool}-{self.method}-{'sym' if self.symmetric else 'asym'}-{self.table}"
+        return tag if self.level is None else f"{tag}-level{self.level}"
+
+    @property
+    def layout(self) -> str:
+        """Rows with the same layout write the same graph with other weight values: qtool's
+        scale methods change values only (same MatMulNBits / GatherBlockQuantized nodes, same
+        zero-point presence). Latency is measured once per layout unless --latency-every-row."""
+        if self.tool == "qtool" and self.method in QTOOL_METHODS and self.level is None:
+            return f"qtool-*-{'sym' if self.symmetric else 'asym'}-{self.table}"
+        return self.tag
 
 
-def build_rows(methods, symmetric, tables, ort_algos) -> list[Row]:
-    """The qtool grid (method x symmetry x table) and the ORT rows its tool can make: ORT
-    quantizes Gather to 4 bits only and not with HQQ; HQQ has no symmetric form; GPTQ (minutes
-    per run, see README) runs symmetric with float tables only."""
-    rows = [Row("qtool", m, s, t) for t in tables for m in methods for s in symmetric]
+def build_rows(
+    methods,
+    symmetric,
+    tables,
+    ort_algos,
+    table_methods=("minmax", "mse"),
+    asym_tables: bool = False,
+    recipe: bool = False,
+    level1: bool = True,
+) -> list[Row]:
+    """The qtool grid: method x symmetry with float tables; quantized tables with
+    `table_methods` (GPTQ costs a calibration pass per row, and the shipped recipe row is GPTQ
+    with int8 tables), symmetric only unless `asym_tables` (8-bit tables are asymmetric
+    whatever the setting). The shipped recipe. With `level1`, the symmetric minmax and the
+    recipe models measured again at MatMulNBits accuracy level 1 (fp32 compute, what ORT's tool's
+    models run at). Then the ORT rows its tool can make: ORT quantizes Gather to 4 bits only
+    and not with HQQ; HQQ has no symmetric form; GPTQ (17 minutes per run here, see README)
+    runs symmetric with float tables only."""
+    rows = [
+        Row("qtool", m, s, t)
+        for t in tables
+        for m in methods
+        for s in symmetric
+        if t == "float" or ((s or asym_tables) and m in table_methods)
+    ]
+    if recipe:
+        rows.append(Row("qtool", "recipe", False, "int8"))
+    if level1:
+        rows += [
+            dataclasses.replace(r, level=1)
+            for r in rows
+            if (r.method, r.symmetric, r.table)
+            in (("minmax", True, "float"), ("recipe", False, "int8"))
+        ]
     for algo in ort_algos:
         if algo == "default":
             rows += [
@@ -189,6 +234,9 @@ def qtool_recipe(source: Source, row: Row, folder: Path) -> Path:
     }
     if row.table == "int8":
         quantization["overrides"] = [{"op_types": ["Gather"], "precision": "int8"}]
+    if row.method == "recipe":  # the shipped INT4 recipe's settings, as written there
+        shipped = yaml.safe_load(SHIPPED_RECIPE.read_text())["quantization"]
+        quantization = {"target": "ort-cpu", **shipped}
     text = {
         "seed": recipe.seed,
         "model": {"onnx": str(source.fp32)},
@@ -325,11 +373,12 @@ def _measure(args: argparse.Namespace) -> None:
     """Child: cosine/SQNR to FP32 over the evaluation samples (qtool evaluate's accumulator, the
     fused session: what deploys), what ORT runs the weights with, then latency.
 
-    Latency: every model's session is created with qtool's create_session (the same options for
-    all: ORT_ENABLE_ALL, sequential, the given intra-op threads, no session config, so QDQ
-    MatMulNBits run at ORT's default accuracy level 4), warmed up, then timed in interleaved
-    rounds (a few runs of each model in turn) so that load from other processes hits all alike.
-    A model that fails to load or run gets a `failed` entry; the others still run.
+    Latency, of the models in spec["latency_models"]: every session is created with qtool's
+    create_session (the same options for all: ORT_ENABLE_ALL, sequential, the given intra-op
+    threads, no session config, so QDQ MatMulNBits run at ORT's default accuracy level 4), warmed
+    up, then timed in interleaved rounds (a few runs of each model in turn) so that load from
+    other processes hits all alike. A model that fails to load or run gets a `failed` entry; the
+    others still run.
     """
     import numpy as np
 
@@ -349,9 +398,10 @@ def _measure(args: argparse.Namespace) -> None:
     reference = None
     for tag, path in models.items():
         try:
-            session = create_session(Path(path))
+            config = spec["configs"].get(tag)
+            session = create_session(Path(path), config=config)
             outputs = [session.run(None, b)[0] for b in batches]
-            graph = optimized_graph(Path(path))
+            graph = optimized_graph(Path(path), config=config)
         except Exception as exc:  # noqa: BLE001 - reported per model, the others still run
             results[tag] = {"status": f"failed: {type(exc).__name__}: {exc}".splitlines()[0]}
             continue
@@ -375,18 +425,22 @@ def _measure(args: argparse.Namespace) -> None:
             metrics = fidelity.metrics(labelled=False)
             entry.update(cosine=metrics.cosine, sqnr_db=metrics.sqnr_db, samples=fidelity.samples)
         results[tag] = entry
-        sessions[tag] = session
+        if tag in spec["latency_models"]:
+            sessions[tag] = session  # ORT's default threads, reused for that latency setting
+        del session
     if "fp32" not in sessions:
         Path(args.json).write_text(json.dumps(results))
         return
     latency = spec["latency"]
     for threads in latency["threads"]:  # None: ORT's default (one per physical core)
-        if threads is not None:  # the evaluation sessions ran at the default: free them first
-            sessions = {}
+        if threads is not None:
+            tags = list(sessions)
+            sessions = {}  # the previous setting's sessions go before the new ones load
             sessions = {
-                tag: create_session(Path(models[tag]), threads=threads)
-                for tag, entry in results.items()
-                if entry["status"] == "ok"
+                tag: create_session(
+                    Path(models[tag]), threads=threads, config=spec["configs"].get(tag)
+                )
+                for tag in tags
             }
         label = "default" if threads is None else str(threads)
         for batch in LATENCY_BATCHES:
@@ -414,18 +468,23 @@ def _measure(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(results))
 
 
-def measure_models(source: Source, quantized: dict[str, str], args, folder: Path) -> dict:
-    """Run the measuring child over the FP32 and every quantized model of one source."""
+def measure_models(
+    source: Source, quantized: dict[str, str], configs: dict, timed: list[str], args, folder: Path
+) -> dict:
+    """Run the measuring child over the FP32 and every quantized model of one source (with the
+    session config in `configs` for a tag that has one); latency of FP32 and `timed`."""
     spec = {
         "fp32": str(source.fp32),
         "models": quantized,
+        "configs": configs,
+        "latency_models": ["fp32", *timed],
         "evaluation": str(source.evaluation_npz),
         "eval_batch": 32,
         "latency": {
             "threads": [None, 1],
             "runs": {"1": args.runs_b1, "8": args.runs_b8},
             "rounds": args.rounds,
-            "warmup": 2,
+            "warmup": args.warmup,
         },
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -491,7 +550,10 @@ def _describe(row: Row) -> tuple[str, str, str]:
         "default": "default (RTN)",
         "default-al4": "default (RTN), accuracy_level=4",
         "hqq": "HQQ",
+        "recipe": "examples/minilm/recipe-int4.yaml",
     }.get(row.method, row.method)
+    if row.level is not None:
+        method += f", session accuracy level {row.level}"
     table = {"float": "float", "int4": "int4", "int8": "int8 (asym)"}[row.table]
     return tool, method, table
 
@@ -602,6 +664,18 @@ def print_report(report: dict) -> None:
         if failures:
             print("\nDid not run (logs under the work folder):")
             print("\n".join(failures))
+        shared = sorted(
+            {
+                f"{Row(**r['row']).tag} as {e['latency_from']}"
+                for r in model["rows"]
+                if (e := model["measured"].get(Row(**r["row"]).tag, {})).get("latency_from")
+            }
+        )
+        if shared:
+            print(
+                "\nLatency timed once per graph layout (scale methods change weight values, not "
+                "the graph): " + "; ".join(shared)
+            )
         different = [
             Row(**r["row"]).tag for r in model["rows"] if r["quantize"].get("same_fp32") is False
         ]
@@ -640,12 +714,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", type=_csv(QTOOL_METHODS), default=list(QTOOL_METHODS))
     p.add_argument("--symmetry", type=_symmetry, default=[True, False], help="sym,asym")
     p.add_argument("--tables", type=_csv(TABLES), default=list(TABLES))
-    p.add_argument("--ort", type=_csv(ORT_ALGOS), default=list(ORT_ALGOS))
+    p.add_argument(
+        "--ort",
+        type=_csv(ORT_ALGOS),
+        default=[a for a in ORT_ALGOS if a != "gptq"],
+        help="ORT configurations; gptq is not in the default (17 minutes on MiniLM here)",
+    )
+    p.add_argument(
+        "--table-methods",
+        type=_csv(QTOOL_METHODS),
+        default=["minmax", "mse"],
+        help="qtool methods that also get rows with quantized tables",
+    )
+    p.add_argument(
+        "--no-level1",
+        action="store_true",
+        help="no second measurement of qtool models at MatMulNBits accuracy level 1",
+    )
+    p.add_argument(
+        "--asym-tables", action="store_true", help="also asymmetric rows with quantized tables"
+    )
+    p.add_argument(
+        "--no-recipe", action="store_true", help="no row for examples/minilm/recipe-int4.yaml"
+    )
+    p.add_argument(
+        "--latency-every-row",
+        action="store_true",
+        help="time every model, not one per graph layout (qtool's scale methods share one)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: few rows, samples and runs")
     p.add_argument("--eval-samples", type=int, default=None, help="first N evaluation samples")
     p.add_argument("--runs-b1", type=int, default=20, help="latency runs per model, batch 1")
     p.add_argument("--runs-b8", type=int, default=6, help="latency runs per model, batch 8")
     p.add_argument("--rounds", type=int, default=2, help="interleaved latency rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per model and setting")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
     p.add_argument("--json", type=Path, default=RESULTS / "int4.json")
     p.add_argument("--work", type=Path, default=RESULTS / "int4", help="models, logs, recipes")
@@ -658,6 +760,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.ort = [a for a in args.ort if a in ("default", "hqq")]
         args.eval_samples = args.eval_samples or 16
         args.runs_b1, args.runs_b8, args.rounds = 4, 2, 2
+        args.no_recipe = args.no_level1 = True
     return args
 
 
@@ -678,9 +781,9 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks.calibration import machine_info, save_json
+    from qtool.runtime.low_bit import ACCURACY_LEVEL_KEY
 
     work = args.work.resolve()
-    rows = build_rows(args.methods, args.symmetry, args.tables, args.ort)
     report: dict = {
         "machine": {**machine_info(), **machine()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -699,8 +802,23 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [],
         }
         report["models"][name] = model
+        rows = build_rows(
+            args.methods,
+            args.symmetry,
+            args.tables,
+            args.ort,
+            table_methods=args.table_methods,
+            asym_tables=args.asym_tables,
+            recipe=name == "minilm" and not args.no_recipe,
+            level1=not args.no_level1,
+        )
         for row in rows:
             t0 = time.perf_counter()
+            if row.level is not None:  # the same file as its row, measured a second way
+                base = dataclasses.replace(row, level=None)
+                result = next(r["quantize"] for r in model["rows"] if Row(**r["row"]) == base)
+                model["rows"].append({"row": dataclasses.asdict(row), "quantize": result})
+                continue
             result = run_quantizer(source, row, work / name / "rows" / row.tag, args.timeout)
             print(
                 f"[{name}] {row.tag}: {result['status']} ({time.perf_counter() - t0:.0f} s)",
@@ -708,13 +826,31 @@ def main(argv: list[str] | None = None) -> int:
             )
             model["rows"].append({"row": dataclasses.asdict(row), "quantize": result})
             save_json(report, args.json)
+        done = [Row(**r["row"]) for r in model["rows"] if r["quantize"]["status"] == "ok"]
         quantized = {
             Row(**r["row"]).tag: r["quantize"]["model"]
             for r in model["rows"]
             if r["quantize"]["status"] == "ok"
         }
-        print(f"[{name}] measuring {len(quantized)} models + FP32", file=sys.stderr)
-        model["measured"] = measure_models(source, quantized, args, work / name)
+        timed_by_layout: dict[str, str] = {}
+        for row in done:
+            timed_by_layout.setdefault(row.tag if args.latency_every_row else row.layout, row.tag)
+        timed = list(timed_by_layout.values())
+        print(
+            f"[{name}] measuring {len(quantized)} models + FP32 (latency of {len(timed)})",
+            file=sys.stderr,
+        )
+        configs = {
+            row.tag: {ACCURACY_LEVEL_KEY: str(row.level)} for row in done if row.level is not None
+        }
+        model["measured"] = measure_models(source, quantized, configs, timed, args, work / name)
+        for row in done:  # a row whose layout was timed on a sibling shows the sibling's numbers
+            source_tag = timed_by_layout[row.tag if args.latency_every_row else row.layout]
+            entry = model["measured"].get(row.tag, {})
+            sibling = model["measured"].get(source_tag, {})
+            if source_tag != row.tag and entry.get("status") == "ok" and "latency" in sibling:
+                entry["latency"] = sibling["latency"]
+                entry["latency_from"] = source_tag
         for r in model["rows"]:
             entry = model["measured"].get(Row(**r["row"]).tag, {})
             r["faster_than_fp32"], r["speedup"] = speed_verdict(
