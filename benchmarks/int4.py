@@ -633,7 +633,10 @@ def comparison(model: dict) -> list[str]:
         if len(best) < 2:
             continue
         (qv, qr), (ov, orow) = best["qtool"], best["ort"]
-        winner = "tie" if qv == ov else ("qtool" if pick(qv, ov) == qv else "ORT")
+        if fmt.format(qv) == fmt.format(ov):
+            winner = "tie at this precision"
+        else:
+            winner = "qtool" if pick(qv, ov) == qv else "ORT"
         lines.append(
             f"- {name}: best qtool {fmt.format(qv)} ({qr.tag}), best ORT {fmt.format(ov)} "
             f"({orow.tag}): **{winner}**"
