@@ -396,6 +396,7 @@ def _measure(args: argparse.Namespace) -> None:
     results: dict = {}
     sessions = {}
     reference = None
+    started = time.perf_counter()
     for tag, path in models.items():
         try:
             config = spec["configs"].get(tag)
@@ -431,6 +432,7 @@ def _measure(args: argparse.Namespace) -> None:
     if "fp32" not in sessions:
         Path(args.json).write_text(json.dumps(results))
         return
+    results["fp32"]["evaluation_phase_s"] = time.perf_counter() - started
     latency = spec["latency"]
     for threads in latency["threads"]:  # None: ORT's default (one per physical core)
         if threads is not None:
@@ -465,6 +467,7 @@ def _measure(args: argparse.Namespace) -> None:
                     "p90_ms": float(np.percentile(values, 90)),
                     "runs": len(values),
                 }
+    results["fp32"]["measure_phase_s"] = time.perf_counter() - started
     Path(args.json).write_text(json.dumps(results))
 
 
@@ -747,8 +750,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="smoke run: few rows, samples and runs")
     p.add_argument("--eval-samples", type=int, default=None, help="first N evaluation samples")
-    p.add_argument("--runs-b1", type=int, default=20, help="latency runs per model, batch 1")
-    p.add_argument("--runs-b8", type=int, default=6, help="latency runs per model, batch 8")
+    p.add_argument("--runs-b1", type=int, default=10, help="latency runs per model, batch 1")
+    p.add_argument("--runs-b8", type=int, default=4, help="latency runs per model, batch 8")
     p.add_argument("--rounds", type=int, default=2, help="interleaved latency rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per model and setting")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per subprocess")
