@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from qtool import __version__, kernels, provenance
+from qtool import __version__, external_data, kernels, provenance
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.collect import collect
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
@@ -26,7 +26,7 @@ from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_fi
 from qtool.data import Batch, count_samples_hint, iter_batches
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
-from qtool.io import commit_files
+from qtool.io import Staged, commit_files
 from qtool.models import load_model
 from qtool.ort_session import create_session
 from qtool.phases import phase
@@ -44,10 +44,25 @@ from qtool.verify import verify
 @dataclass
 class PreparedModel:
     model: onnx.ModelProto
-    serialized: bytes
+    serialized: bytes | None  # the float model file; None when it is staged as external data
     fingerprint: str
     layout: Layout
     source_sha256: str
+    # Models over the protobuf limit: the float model written as external data, not committed.
+    staged: external_data.StagedModel | None = None
+
+    def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
+        """The float model file(s) to commit at `path` (the path given to prepare)."""
+        if self.staged is None:
+            return {path: self.serialized}
+        if self.staged.path != path:
+            raise ValueError(f"the float model was staged for {self.staged.path}, not {path}")
+        return self.staged.files()
+
+    def discard(self) -> None:
+        """Remove the staged float model's temporary files (a run that fails before committing)."""
+        if self.staged is not None:
+            self.staged.discard()
 
 
 @dataclass
@@ -67,7 +82,7 @@ def _source_sha256(recipe: Recipe) -> str:
     """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file."""
     spec = recipe.model
     if spec.onnx is not None:
-        return provenance.sha256_file(spec.onnx)
+        return provenance.sha256_model(spec.onnx)
     digest = hashlib.sha256(str(spec.pytorch).encode())
     if spec.weights is not None:
         digest.update(provenance.sha256_file(spec.weights).encode())
@@ -82,6 +97,7 @@ def prepare(recipe: Recipe) -> PreparedModel:
     loaded = load_model(recipe.model, recipe.inputs)
     with phase("preparing graph"):
         model = prepare_model(loaded, min_opset=min_opset)
+    del loaded  # a model over 2 GB must not be held twice
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -93,12 +109,21 @@ def prepare(recipe: Recipe) -> PreparedModel:
             f"{recipe.path}: no node can be quantized with quantization.op_types "
             f"{list(recipe.quantization.op_types)} and the exclude list"
         )
+    source_sha256 = _source_sha256(recipe)
+    if external_data.needs_external_data(model):
+        # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
+        # is written), and read back from there for the same reason the small path re-parses.
+        with phase("writing the float model (external data)"):
+            staged = external_data.stage_model(model, recipe.float_model_path)
+            del model
+            model = staged.load()
+        return PreparedModel(model, None, staged.sha256, layout, source_sha256, staged)
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
-    return PreparedModel(model, serialized, fingerprint, layout, _source_sha256(recipe))
+    return PreparedModel(model, serialized, fingerprint, layout, source_sha256)
 
 
 class _DataFingerprint:
@@ -131,7 +156,7 @@ class Calibration:
 
     stats: list[TensorStats]
     hessians: dict[str, HessianAccumulator]
-    files: dict[Path, bytes]
+    files: dict[Path, bytes | Staged]
     data_sha256: str | None
 
 
@@ -159,7 +184,7 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
         )
         data_sha256 = fingerprint.hexdigest()
     stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
-    files = {recipe.stats_path: stats_bytes, recipe.float_model_path: prepared.serialized}
+    files = {recipe.stats_path: stats_bytes, **prepared.float_files(recipe.float_model_path)}
     if hessian_tensors:
         files[recipe.hessians_path] = hessian_file_bytes(
             hessians, prepared.fingerprint, data_sha256
@@ -169,8 +194,11 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
 
 def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
     """Stream the calibration set through the model; write and return the statistics."""
-    run = _run_calibration(recipe, prepared, progress)
-    commit_files(run.files)
+    try:
+        run = _run_calibration(recipe, prepared, progress)
+        commit_files(run.files)
+    finally:
+        prepared.discard()
     return run.stats
 
 
@@ -218,6 +246,15 @@ def quantize(
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
     prepared = prepare(recipe)
+    try:
+        return _quantize(recipe, prepared, stats_path, progress)
+    finally:
+        prepared.discard()  # staged files: renamed into place by the commit, or removed here
+
+
+def _quantize(
+    recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
+) -> QuantizeResult:
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
     stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
@@ -242,32 +279,54 @@ def quantize(
             provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
         },
     )
-    serialized = quantized.SerializeToString()
+    staged = None
     try:
-        create_session(serialized)
-    except QtoolError as exc:
-        raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
-    with phase("verifying what ONNX Runtime runs"):
-        verification = verify(
-            serialized, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
-        )
-    node_inputs = {node.name: list(node.input) for node in model.graph.node}
-    files = {
-        "float_model": str(recipe.float_model_path),
-        "quantized_model": str(recipe.quant_model_path),
-        "stats": str(stats_path),
-    }
-    report = build_report(
-        recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
-    )
-    commit_files(
-        {
-            **calibration.files,
-            recipe.quant_model_path: serialized,
-            recipe.float_model_path: prepared.serialized,
-            recipe.report_path: report_bytes(report),
+        source: bytes | Path
+        if external_data.needs_external_data(quantized):
+            with phase("writing the quantized model (external data)"):
+                staged = external_data.stage_model(quantized, recipe.quant_model_path)
+            del quantized
+            source, quant_files = staged.session_path, staged.files()
+        else:
+            source = quantized.SerializeToString()
+            quant_files = {recipe.quant_model_path: source}
+        try:
+            create_session(source)
+        except QtoolError as exc:
+            message = str(exc)
+            if isinstance(source, Path):  # name the output, not its temporary file
+                message = message.replace(str(source), str(recipe.quant_model_path))
+            raise ModelError(
+                f"the quantized model does not load in ONNX Runtime: {message}"
+            ) from None
+        with phase("verifying what ONNX Runtime runs"):
+            verification = verify(
+                source, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+            )
+        node_inputs = {node.name: list(node.input) for node in model.graph.node}
+        files = {
+            "float_model": str(recipe.float_model_path),
+            "quantized_model": str(recipe.quant_model_path),
+            "stats": str(stats_path),
         }
-    )
+        if staged is not None:  # ship both files: the .onnx alone has no weights
+            files["quantized_model_data"] = str(staged.data_path)
+        if prepared.staged is not None:
+            files["float_model_data"] = str(prepared.staged.data_path)
+        report = build_report(
+            recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
+        )
+        commit_files(
+            {
+                **calibration.files,
+                **quant_files,
+                **prepared.float_files(recipe.float_model_path),
+                recipe.report_path: report_bytes(report),
+            }
+        )
+    finally:
+        if staged is not None:
+            staged.discard()
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -71,14 +72,16 @@ def _weight_only_reason(node: NodePlan) -> str:
 
 
 def verify(
-    quantized: bytes,
+    quantized: bytes | Path,
     plan: Plan,
     feeds: Iterable[dict[str, np.ndarray]],
     target_cpu: CpuFeatures,
     threads: int = 1,
     target: str = "ort-cpu",
 ) -> Verification:
-    """Fill `plan`'s runtime truth and return the summary and the warnings to show the user."""
+    """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
+
+    `quantized`: the serialized model, or its path (models with external data, over 2 GB)."""
     planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
     truth = fusion_truth(quantized, planned, threads)
     weight_only = set()

@@ -26,6 +26,7 @@ from pathlib import Path
 import onnx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qtool import external_data
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data import Batch
@@ -54,13 +55,17 @@ def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.Valu
 
 def save_with_extra_outputs(model: onnx.ModelProto, tensors: list[str], path: Path) -> None:
     """Write `model` plus the extra outputs to `path` without copying the ModelProto: the outputs
-    are appended for the serialization and removed again, so `model` is unchanged afterwards."""
+    are appended for the serialization and removed again, so `model` is unchanged afterwards.
+    A model over protobuf's limit gets its weights in `path`.data (qtool.external_data)."""
     extra = _extra_outputs(model, tensors)
     outputs = model.graph.output
     keep = len(outputs)
     outputs.extend(extra)
     try:
-        path.write_bytes(model.SerializeToString())
+        if external_data.needs_external_data(model):
+            external_data.save_model(model, path)
+        else:
+            path.write_bytes(model.SerializeToString())
     finally:
         del outputs[keep:]
 

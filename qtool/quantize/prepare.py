@@ -26,11 +26,17 @@ import onnx
 from onnx import version_converter
 
 from qtool.errors import ModelError
+from qtool.external_data import needs_external_data
 from qtool.quantize.fold_bn import fold_batch_norms
 from qtool.quantize.fold_constants import fold_constants
 from qtool.quantize.fuse_gemm import fuse_matmul_add
 from qtool.quantize.graph_edit import delete_indexes, drop_where, subgraph_names
-from qtool.quantize.opset21 import TARGET_OPSET, upgrade_to_opset21
+from qtool.quantize.opset21 import (
+    TARGET_OPSET,
+    _attach,
+    _detach_large_tensors,
+    upgrade_to_opset21,
+)
 from qtool.quantize.shapes import Inference, infer, write_inference
 
 __all__ = ["prepare_model", "tensor_types"]
@@ -125,14 +131,18 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
     if min_opset == TARGET_OPSET:  # INT4 / blocked weights: the op-by-op upgrade with its fixes
         model.CopyFrom(upgrade_to_opset21(model))
         return
+    # The converter serializes the model: one over protobuf's limit goes without its weights.
+    detached = _detach_large_tensors(model.graph) if needs_external_data(model) else {}
     try:
         converted = version_converter.convert_version(model, min_opset)
     except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
+        _attach(model.graph, detached)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}: "
             f"{reason}"
         ) from exc
+    _attach(converted.graph, detached)
     if _default_opset(converted) < min_opset:
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}"
