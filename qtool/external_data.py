@@ -323,6 +323,11 @@ class StagedModel:
         built it still hold is not carried along (the in-memory path re-parses its bytes)."""
         return onnx.load(str(self.session_path))
 
+    def structure(self) -> onnx.ModelProto:
+        """The model without its weights: large initializers reference the staged data file,
+        relative to `session_path`'s folder (what ONNX Runtime reads them from)."""
+        return onnx.load(str(self.session_path), load_external_data=False)
+
     def discard(self) -> None:
         self._finalizer()
 

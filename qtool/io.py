@@ -137,7 +137,7 @@ def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
     written: dict[Path, Path] = {}
     for path, content in zip(targets, files.values(), strict=True):
         if isinstance(content, Staged):
-            if content.path.parent != path.parent:
+            if os.path.abspath(content.path.parent) != os.path.abspath(path.parent):
                 raise ValueError(f"{content.path} is not staged beside {path}")
             written[path] = content.path
     current: Path | None = None

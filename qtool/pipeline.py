@@ -43,7 +43,8 @@ from qtool.verify import verify
 
 @dataclass
 class PreparedModel:
-    model: onnx.ModelProto
+    # None while a staged model's weights are left to the file: during calibration, after writing
+    model: onnx.ModelProto | None
     serialized: bytes | None  # the float model file; None when it is staged as external data
     fingerprint: str
     layout: Layout
@@ -95,9 +96,9 @@ def prepare(recipe: Recipe) -> PreparedModel:
     if recipe.quantization.may_need_opset21:
         min_opset = max(min_opset, TARGET_OPSET)
     loaded = load_model(recipe.model, recipe.inputs)
-    with phase("preparing graph"):
-        model = prepare_model(loaded, min_opset=min_opset)
-    del loaded  # a model over 2 GB must not be held twice
+    with phase("preparing graph"):  # in place: a model over 2 GB must not be held twice
+        model = prepare_model(loaded, min_opset=min_opset, copy=False)
+    del loaded
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -160,7 +161,10 @@ class Calibration:
     data_sha256: str | None
 
 
-def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) -> Calibration:
+def _run_calibration(
+    recipe: Recipe, prepared: PreparedModel, progress: bool, reload: bool = True
+) -> Calibration:
+    """`reload`: whether a staged model's weights are read back after (quantize needs them)."""
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
     hessian_tensors = prepared.layout.hessian_tensors()
@@ -172,8 +176,14 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
         )
+        model, model_dir = prepared.model, None
+        if prepared.staged is not None:
+            # ORT reads the weights from the staged float model: Python lets go of its copy
+            # meanwhile (a model's worth of memory) and reads it back afterwards.
+            model, model_dir = prepared.staged.structure(), prepared.staged.session_path.parent
+            prepared.model = None
         stats, hessians = collect(
-            prepared.model,
+            model,
             tensors,
             fingerprint.tap(batches),
             bins=spec.bins,
@@ -181,7 +191,11 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
             device=kernels.default_device(),
             total_samples=count_samples_hint(spec.data, spec.max_samples),
             progress=progress,
+            model_dir=model_dir,
         )
+        del model
+        if prepared.staged is not None and reload:
+            prepared.model = prepared.staged.load()
         data_sha256 = fingerprint.hexdigest()
     stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
     files = {recipe.stats_path: stats_bytes, **prepared.float_files(recipe.float_model_path)}
@@ -195,7 +209,7 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
 def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
     """Stream the calibration set through the model; write and return the statistics."""
     try:
-        run = _run_calibration(recipe, prepared, progress)
+        run = _run_calibration(recipe, prepared, progress, reload=False)
         commit_files(run.files)
     finally:
         prepared.discard()
@@ -269,6 +283,9 @@ def _quantize(
     quantized = write_qdq_model(
         model, layout, activations, weights, biases, recipe.quantization.target
     )
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    if prepared.staged is not None:  # its float weights are on disk, staged: no longer needed
+        prepared.model = model = None
     provenance.stamp(
         quantized,
         {
@@ -303,7 +320,6 @@ def _quantize(
             verification = verify(
                 source, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
             )
-        node_inputs = {node.name: list(node.input) for node in model.graph.node}
         files = {
             "float_model": str(recipe.float_model_path),
             "quantized_model": str(recipe.quant_model_path),

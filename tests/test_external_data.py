@@ -361,6 +361,14 @@ def test_staged_files_are_never_stale_while_live(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_staged_files_commit_from_a_relative_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    staged = stage(Path("out") / "m.data", lambda handle: handle.write(b"weights"))
+    commit_files({Path("out") / "m.data": staged, Path("out") / "m.onnx": b"skeleton"})
+    assert (tmp_path / "out" / "m.data").read_bytes() == b"weights"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.data", "m.onnx"]
+
+
 def test_staged_file_must_sit_beside_its_target(tmp_path) -> None:
     (tmp_path / "a").mkdir()
     staged = stage(tmp_path / "a" / "x.data", lambda handle: handle.write(b"1"))

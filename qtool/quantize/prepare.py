@@ -46,8 +46,11 @@ __all__ = ["prepare_model", "tensor_types"]
 _MAX_FOLD_ROUNDS = 8
 
 
-def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelProto:
-    """Return a copy of `model` ready for QDQ insertion; `model` itself is not modified.
+def prepare_model(
+    model: onnx.ModelProto, *, min_opset: int = 17, copy: bool = True
+) -> onnx.ModelProto:
+    """Return a copy of `model` ready for QDQ insertion; `model` itself is not modified, unless
+    `copy=False` (a caller that drops `model` anyway: a 2 GB model is then not held twice).
 
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
     into plain weights; remove Identity nodes; fold every node computable from constants (including
@@ -60,8 +63,10 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
 
     Raises ModelError when the opset cannot be upgraded or a tensor's element type stays unknown.
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    out = model
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     _upgrade_opset(out, min_opset)
     graph = out.graph
     _initializer_inputs_to_weights(graph)
