@@ -5,7 +5,7 @@ The model is generated (a MatMul + Relu chain, 8 x 8192 x 8192 float32 = 2.15 GB
 stored with external data, as such models are shipped. Each command runs in its own measured
 process (benchmarks._measure.run_measured: peak RSS is the kernel's high-water mark).
 
-    python -m benchmarks.external_data [--layers 8] [--n 8192] [--work DIR]
+    python -m benchmarks.external_data [--layers 8] [--n 8192] [--cpu auto] [--work DIR]
 """
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--cpu",
+        default="auto",
+        help="quantization.cpu: avx512-vnni skips the no-VNNI weight format search (its cost "
+        "is per weight tensor, not external data's)",
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="qtool-extdata-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -82,6 +88,7 @@ def main() -> None:
                 "inputs": {"x": [1, args.n]},
                 "calibration": {"data": {"npz": "data.npz"}, "batch_size": 8, "method": "minmax"},
                 "evaluation": {"data": {"npz": "data.npz"}, "batch_size": 8},
+                "quantization": {"cpu": args.cpu},
                 "output": {"dir": "out"},
             }
         )
@@ -112,7 +119,10 @@ def main() -> None:
         if not m.ok:
             break
     gb = model_bytes / 1e9
-    print(f"model: {gb:.2f} GB ({args.layers} x {args.n} x {args.n} float32), work dir {work}\n")
+    print(
+        f"model: {gb:.2f} GB ({args.layers} x {args.n} x {args.n} float32), "
+        f"quantization.cpu {args.cpu}, work dir {work}\n"
+    )
     print("| run | status | wall s | CPU s | peak RSS GB | peak / model size |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():

@@ -548,7 +548,7 @@ def _latency_feed(
     return {name: np.ascontiguousarray(a[:1]) for name, a in inputs.items()}, 1
 
 
-def _measure_latency(
+def measure_latency(
     sessions: list[onnxruntime.InferenceSession],
     feed: dict[str, np.ndarray],
     runs: int,
@@ -704,7 +704,7 @@ def evaluate_models(
         warnings.append(gap)
 
     feed, latency_batch = _latency_feed(first_inputs, ref_specs)
-    (ref_med, ref_p90), (q_med, q_p90) = _measure_latency(
+    (ref_med, ref_p90), (q_med, q_p90) = measure_latency(
         [ref_session, sessions["fused"]], feed, latency_runs
     )
     gated = next(o for o in outputs if o.name == output)

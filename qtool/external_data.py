@@ -47,6 +47,7 @@ __all__ = [
     "needs_external_data",
     "save_model",
     "stage_model",
+    "write_model",
 ]
 
 # protobuf refuses to serialize or parse a message of this size or more.
@@ -268,6 +269,15 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
     path.write_bytes(_serialize_skeleton(layout.skeleton, model.graph.name))
     with open(path.parent / data_location(path), "wb") as handle:
         _write_data(layout, handle, hashlib.sha256())
+
+
+def write_model(model: onnx.ModelProto, path: Path) -> None:
+    """Write a temporary model file for ONNX Runtime: one protobuf when it fits, else `save_model`
+    (the skeleton plus `path`.data)."""
+    if needs_external_data(model):
+        save_model(model, path)
+    else:
+        Path(path).write_bytes(model.SerializeToString())
 
 
 def check_model(model: onnx.ModelProto) -> None:

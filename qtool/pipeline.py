@@ -17,13 +17,22 @@ from pathlib import Path
 
 import onnx
 
-from qtool import __version__, external_data, kernels, provenance
+from qtool import __version__, distributed, external_data, kernels, provenance
+from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.collect import collect
+from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
+from qtool.calibration.merge import merge_across_processes
 from qtool.calibration.observers import TensorStats
-from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_file_bytes
-from qtool.data import Batch, count_samples_hint, iter_batches
+from qtool.calibration.stats_file import (
+    ShardRecord,
+    load_stats,
+    stats_data_sha256,
+    stats_file_bytes,
+)
+from qtool.data import count_samples_hint, iter_batches
+from qtool.distributed import Group, Shard
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
 from qtool.io import Staged, commit_files
@@ -127,29 +136,6 @@ def prepare(recipe: Recipe) -> PreparedModel:
     return PreparedModel(model, serialized, fingerprint, layout, source_sha256)
 
 
-class _DataFingerprint:
-    """SHA-256 of the calibration inputs, one stream per input, so it ignores the batch size."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, hashlib._Hash] = {}
-
-    def tap(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        for batch in batches:
-            for name, array in batch.inputs.items():
-                if name not in self._streams:
-                    self._streams[name] = hashlib.sha256(
-                        f"{name}:{array.dtype.str}:{array.shape[1:]}".encode()
-                    )
-                self._streams[name].update(array.tobytes())
-            yield batch
-
-    def hexdigest(self) -> str:
-        total = hashlib.sha256()
-        for name in sorted(self._streams):
-            total.update(self._streams[name].digest())
-        return total.hexdigest()
-
-
 @dataclass
 class Calibration:
     """Statistics (and GPTQ Hessians) of one calibration run and the files it produces, not yet
@@ -159,20 +145,30 @@ class Calibration:
     hessians: dict[str, HessianAccumulator]
     files: dict[Path, bytes | Staged]
     data_sha256: str | None
+    primary: bool = True  # rank 0 (or the only process): the one that writes the files
 
 
 def _run_calibration(
-    recipe: Recipe, prepared: PreparedModel, progress: bool, reload: bool = True
+    recipe: Recipe,
+    prepared: PreparedModel,
+    progress: bool,
+    shard: Shard | None = None,
+    group: Group | None = None,
+    reload: bool = True,
 ) -> Calibration:
-    """`reload`: whether a staged model's weights are read back after (quantize needs them)."""
+    """Calibrate on `shard` of the batches (all of them by default), split further across the
+    ranks of `group` and merged exactly (calibration/merge.py) before anything is written.
+    `reload`: whether a staged model's weights are read back afterwards (quantize needs them)."""
     spec = recipe.calibration
+    shard, group = shard or Shard(), group or Group()
+    part = shard.part(group.rank, group.world)
     tensors = prepared.layout.stats_tensors()
     hessian_tensors = prepared.layout.hessian_tensors()
     stats: list[TensorStats] = []
     hessians: dict[str, HessianAccumulator] = {}
-    data_sha256 = None
+    digest = None
     if tensors or hessian_tensors:  # weight-only round-to-nearest needs no data at all
-        fingerprint = _DataFingerprint()
+        digest = DataDigest()
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
         )
@@ -185,34 +181,50 @@ def _run_calibration(
         stats, hessians = collect(
             model,
             tensors,
-            fingerprint.tap(batches),
+            digest.tap(part.select(batches, f"{recipe.path}: calibration{group.describe()}")),
             bins=spec.bins,
             hessian_tensors=hessian_tensors,
             device=kernels.default_device(),
-            total_samples=count_samples_hint(spec.data, spec.max_samples),
-            progress=progress,
+            total_samples=part.samples(
+                count_samples_hint(spec.data, spec.max_samples), spec.batch_size
+            ),
+            progress=progress and group.primary,
             model_dir=model_dir,
         )
         del model
         if prepared.staged is not None and reload:
             prepared.model = prepared.staged.load()
-        data_sha256 = fingerprint.hexdigest()
-    stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
+        stats, hessians, digest = merge_across_processes(
+            group, prepared.fingerprint, spec.bins, stats, hessians, digest
+        )
+    record = ShardRecord(
+        shard.count, (shard.index,), spec.batch_size, spec.max_samples, recipe.seed
+    )
+    stats_bytes = stats_file_bytes(
+        stats, prepared.fingerprint, spec.bins, data_digest=digest, shard=record
+    )
+    data_sha256 = None if digest is None else digest.hexdigest()
     files = {recipe.stats_path: stats_bytes, **prepared.float_files(recipe.float_model_path)}
-    if hessian_tensors:
+    if hessian_tensors and group.primary:
         files[recipe.hessians_path] = hessian_file_bytes(
             hessians, prepared.fingerprint, data_sha256
         )
-    return Calibration(stats, hessians, files, data_sha256)
+    return Calibration(stats, hessians, files, data_sha256, group.primary)
 
 
-def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
-    """Stream the calibration set through the model; write and return the statistics."""
+def calibrate(
+    recipe: Recipe, prepared: PreparedModel, progress: bool = True, shard: Shard | None = None
+) -> list[TensorStats]:
+    """Stream the calibration set (or `shard` of it) through the model, across the processes
+    torchrun started when it did; write (rank 0) and return the statistics."""
     try:
-        run = _run_calibration(recipe, prepared, progress, reload=False)
-        commit_files(run.files)
+        run = _run_calibration(
+            recipe, prepared, progress, shard, distributed.current(), reload=False
+        )
+        if run.primary:
+            commit_files(run.files)
     finally:
-        prepared.discard()
+        prepared.discard()  # staged files: renamed into place by the commit, or removed here
     return run.stats
 
 
@@ -259,6 +271,7 @@ def quantize(
     recipe: Recipe, stats_path: Path | None = None, progress: bool = True
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
+    distributed.require_single_process("qtool quantize")
     prepared = prepare(recipe)
     try:
         return _quantize(recipe, prepared, stats_path, progress)
@@ -280,9 +293,24 @@ def _quantize(
         model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
     biases = bias_parameters(model, layout, activations, weights)
-    quantized = write_qdq_model(
-        model, layout, activations, weights, biases, recipe.quantization.target
-    )
+    target = recipe.quantization.target
+
+    def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
+        float_biases = bias_parameters(float_model, layout, activations, weights)
+        return write_qdq_model(float_model, layout, activations, weights, float_biases, target)
+
+    quantized = write_qdq_model(model, layout, activations, weights, biases, target)
+    algorithms = {}
+    correction = recipe.quantization.algorithm("bias_correction")
+    if correction is not None:
+        with phase("bias correction"):
+            quantized, algorithms["bias_correction"] = apply_bias_correction(
+                model,
+                quantized,
+                layout.quantized_nodes(),
+                write,
+                lambda: _calibration_inputs(recipe, correction["samples"]),
+            )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     if prepared.staged is not None:  # its float weights are on disk, staged: no longer needed
         prepared.model = model = None
@@ -316,9 +344,17 @@ def _quantize(
             raise ModelError(
                 f"the quantized model does not load in ONNX Runtime: {message}"
             ) from None
+        float_source = prepared.serialized
+        if prepared.staged is not None:
+            float_source = prepared.staged.session_path
         with phase("verifying what ONNX Runtime runs"):
             verification = verify(
-                source, layout.plan, _verify_feeds(recipe), cpu, target=recipe.quantization.target
+                source,
+                layout.plan,
+                _verify_feeds(recipe),
+                cpu,
+                target=recipe.quantization.target,
+                float_model=float_source,
             )
         files = {
             "float_model": str(recipe.float_model_path),
@@ -332,6 +368,7 @@ def _quantize(
         report = build_report(
             recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
         )
+        report["algorithms"] = algorithms
         commit_files(
             {
                 **calibration.files,
@@ -346,6 +383,14 @@ def _quantize(
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )
+
+
+def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
+    """The first `samples` calibration inputs, read afresh (for a pass after calibration)."""
+    spec = recipe.calibration
+    limit = min(samples, spec.max_samples or samples)
+    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, limit, recipe.seed)
+    return (batch.inputs for batch in batches)
 
 
 def _verify_feeds(recipe: Recipe) -> list[dict]:

@@ -3,6 +3,10 @@
 `qtool evaluate --fp32 A --quant B` compares whatever two files it is given; a quantized model from
 another float model prints a 97.78% -> 12.78% "drop" that is really a mix-up. The writer stamps
 these keys into the quantized model's metadata_props and evaluate checks them.
+
+The calibration data key holds the stats file's `data_sha256`: a multiset fingerprint of the
+samples (calibration/data_digest.py), so a run split over processes, machines or shard files
+records the value a single process records over the same samples, whatever the batch size.
 """
 
 from __future__ import annotations

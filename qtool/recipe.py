@@ -33,6 +33,12 @@ SUPPORTED_OP_TYPES = (
     "AveragePool",
     "Gather",
 )
+# quantization.algorithms, in the fixed order they run; the parameters each takes, with defaults.
+ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "bias_correction", "adaround")
+ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
+    # samples: calibration samples the shift is measured on (the first N of the calibration set)
+    "bias_correction": {"samples": 256},
+}
 # Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
 PRECISIONS = ("int4", "int8", "float")
 ACTIVATION_PRECISIONS = ("int8", "float")
@@ -189,6 +195,12 @@ class QuantizationSpec:
     # None: int8 for int8 nodes, float (weight-only) for int4 nodes.
     activations: str | None = None
     overrides: tuple[Override, ...] = ()
+    # Accuracy algorithms in the order they run (ALGORITHM_ORDER), each with its parameters.
+    algorithms: tuple[tuple[str, dict], ...] = ()
+
+    def algorithm(self, name: str) -> dict | None:
+        """The parameters of algorithm `name` when the recipe turns it on, else None."""
+        return next((params for key, params in self.algorithms if key == name), None)
 
     @property
     def per_channel(self) -> bool:
@@ -653,6 +665,7 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         "weights",
         "activations",
         "overrides",
+        "algorithms",
     }
     reader.mapping(raw, "quantization", keys)
     op_types = _read_op_types(
@@ -689,7 +702,36 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             _read_override(reader, entry, f"quantization.overrides[{i}]")
             for i, entry in enumerate(overrides)
         ),
+        algorithms=_read_algorithms(reader, raw.get("algorithms", [])),
     )
+
+
+def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
+    """`[bias_correction]` or `{bias_correction: {samples: 128}}`; run in ALGORITHM_ORDER."""
+    where = "quantization.algorithms"
+    if isinstance(raw, list):
+        entries = {reader.string(name, f"{where}[{i}]"): {} for i, name in enumerate(raw)}
+    elif isinstance(raw, dict):
+        entries = {str(name): params if params is not None else {} for name, params in raw.items()}
+    else:
+        raise reader.fail(where, f"must be a list of names or a mapping, got {raw!r}")
+    chosen = []
+    for name in ALGORITHM_ORDER:
+        if name not in entries:
+            continue
+        if name not in ALGORITHM_PARAMS:
+            raise reader.fail(f"{where}.{name}", "is not implemented in this version of qtool yet")
+        params = dict(ALGORITHM_PARAMS[name])
+        given = reader.mapping(entries[name], f"{where}.{name}", set(params))
+        for key, value in given.items():
+            params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)
+        chosen.append((name, params))
+    unknown = sorted(set(entries) - set(ALGORITHM_ORDER))
+    if unknown:
+        raise reader.fail(
+            f"{where}.{unknown[0]}", f"unknown algorithm (known: {', '.join(ALGORITHM_ORDER)})"
+        )
+    return tuple(chosen)
 
 
 def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:

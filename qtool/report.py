@@ -152,6 +152,7 @@ def build_report(
             "weight_only_nodes": sum(1 for n in quantized if n.activations == "float"),
         },
         "low_bit": low_bit_runtime(layout.plan),
+        "low_bit_speed": (verification or {}).get("low_bit_speed"),
         "runtime": verification,
         "nodes": nodes,
     }

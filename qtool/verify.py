@@ -10,12 +10,14 @@ node is reported instead of discovered in production.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from qtool.evaluate import measure_latency
+from qtool.ort_session import create_session
 from qtool.plan import NodePlan, Plan
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
 from qtool.runtime.fusion import FUSED, compare_fused_unfused, fusion_summary, fusion_truth
@@ -71,13 +73,49 @@ def _weight_only_reason(node: NodePlan) -> str:
     return "ORT runs the float op on the dequantized weight (smaller file, float speed)"
 
 
+# Interleaved batch-1 runs per model for the low-bit speed check: enough to tell "faster" from
+# "only smaller" (the verdict needs a 5% margin), few enough to cost seconds on MiniLM.
+SPEED_RUNS = 20
+FASTER_MARGIN = 1.05
+
+
+def low_bit_speed(
+    float_model: bytes | Path,
+    quantized: bytes | Path,
+    feed: dict[str, np.ndarray],
+    cpu,
+    threads: int,
+) -> dict:
+    """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1."""
+    sessions = [create_session(m, threads=threads) for m in (float_model, quantized)]
+    single = {name: np.ascontiguousarray(a[:1]) for name, a in feed.items()}
+    try:
+        sessions[0].run(None, single)
+    except Exception:  # a model with a fixed batch axis > 1: time its whole batch
+        single = {name: np.ascontiguousarray(a) for name, a in feed.items()}
+    (fp32_ms, _), (quant_ms, _) = measure_latency(sessions, single, SPEED_RUNS)
+    speedup = fp32_ms / quant_ms if quant_ms > 0 else float("inf")
+    verdict = "faster" if speedup >= FASTER_MARGIN else "only smaller: no speed-up on this CPU"
+    return {
+        "cpu": cpu.describe(),
+        "threads": threads,
+        "batch": next(iter(single.values())).shape[0] if single else 1,
+        "runs": SPEED_RUNS,
+        "fp32_ms_median": fp32_ms,
+        "quant_ms_median": quant_ms,
+        "speedup": speedup,
+        "verdict": verdict,
+    }
+
+
 def verify(
     quantized: bytes | Path,
     plan: Plan,
-    feeds: Iterable[dict[str, np.ndarray]],
+    feeds: Sequence[dict[str, np.ndarray]],
     target_cpu: CpuFeatures,
     threads: int = 1,
     target: str = "ort-cpu",
+    float_model: bytes | Path | None = None,
 ) -> Verification:
     """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
 
@@ -114,6 +152,11 @@ def verify(
                 f"output {name!r}: fused ORT run is only {value:.1f} dB from the unfused QDQ "
                 f"semantics on calibration data ({cause})"
             )
+    if float_model is not None and any(
+        n.weight is not None and (n.precision == "int4" or n.activations == "float")
+        for n in plan.quantized()
+    ):
+        summary["low_bit_speed"] = low_bit_speed(float_model, quantized, feeds[0], here, threads)
     if here.u8s8_saturates != target_cpu.u8s8_saturates:
         warnings.append(
             f"verified on this machine ({here.describe()}), but the model was quantized for "

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from qtool import kernels
 from qtool.cli import app
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -32,6 +33,24 @@ class DigitsRun:
     out: Path
     calibrate: Result
     quantize: Result
+
+
+@pytest.fixture(params=list(kernels.CPU_ISAS))
+def isa(request):
+    """Each kernel instruction set in turn (the ones this CPU lacks are skipped), reset after."""
+    name = request.param
+    if name not in kernels.supported_cpu_isas():
+        pytest.skip(f"this CPU cannot run the {name} kernels")
+    kernels.set_cpu_isa(name)
+    yield name
+    kernels.set_cpu_isa(None)
+
+
+@pytest.fixture
+def threads():
+    """kernels.set_cpu_threads, reset to the default after the test."""
+    yield kernels.set_cpu_threads
+    kernels.set_cpu_threads(None)
 
 
 @pytest.fixture(scope="session")

@@ -258,10 +258,14 @@ def test_old_opset_source_is_upgraded_without_serializing(small_limit, cli, tmp_
 
 
 def test_int4_weights_with_external_data(small_limit, cli, tmp_path, monkeypatch) -> None:
-    """Blocked INT4 weights: opset-21 upgrade (converter and checker) on the large model."""
+    """Blocked INT4 weights with bias correction: the opset-21 upgrade (converter and checker),
+    the bias-correction models and the low-bit speed check's float session, all over the limit."""
     recipe, x = write_case(tmp_path, mlp())
     spec = yaml.safe_load(recipe.read_text())
-    spec["quantization"] = {"weights": {"bits": 4, "block_size": 32}}
+    spec["quantization"] = {
+        "weights": {"bits": 4, "block_size": 32},
+        "algorithms": ["bias_correction"],
+    }
     recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
     # The INT4 model is ~1/8 of the float one: a lower limit still sends it to external data.
     monkeypatch.setattr(external_data, "EXTERNAL_DATA_THRESHOLD", LIMIT // 4)
@@ -270,6 +274,9 @@ def test_int4_weights_with_external_data(small_limit, cli, tmp_path, monkeypatch
     out = tmp_path / "out"
     quant = next(out.glob("model.int4.onnx"))
     assert external_tensors(quant), "the INT4 model keeps its weights inline"
+    report = json.loads((out / "report.json").read_text())
+    assert report["algorithms"]["bias_correction"]["nodes"], report["algorithms"]
+    assert report["runtime"]["low_bit_speed"]["fp32_ms_median"] > 0
     reference = run_ort(tmp_path / "source.onnx", x)
     quantized = run_ort(quant, x)
     assert cosine(quantized, reference) > 0.98

@@ -26,6 +26,7 @@ from qtool.calibration.stats_file import load_stats
 from qtool.errors import RecipeError
 from qtool.quantize.int4 import BlockwiseWeight, dequantize, quantize_blockwise
 from qtool.recipe import load_recipe
+from qtool.runtime.cpu import detect_cpu
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -75,6 +76,10 @@ def test_digits_int4_gemms_become_matmulnbits_and_convs_run_float(digits_int4, t
     assert nodes["/conv1/Conv"]["runtime"]["reason"].startswith("ORT has no 4-bit Conv kernel")
     assert "int4 Conv: 3 nodes, smaller file only" in " ".join(result.output.split())
     assert "warning" not in result.output  # weight-only Convs are expected to run float
+    speed = report["low_bit_speed"]  # measured here: faster, or only smaller, on this CPU
+    assert speed["cpu"] == detect_cpu().describe() and speed["fp32_ms_median"] > 0
+    faster = speed["speedup"] >= 1.05
+    assert speed["verdict"] == ("faster" if faster else "only smaller: no speed-up on this CPU")
 
 
 def test_digits_int4_keeps_accuracy_and_shrinks_the_file(digits_int4, cli, tmp_path):
@@ -155,30 +160,6 @@ def _write_recipe(folder: Path, quantization: dict, model: str = "model.onnx") -
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def _embedding_model(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """ids -> Gather(table [50, 64]) -> MatMul(W [64, 32]) (+ x @ W2) -> y: a tiny encoder."""
-    rng = np.random.default_rng(0)
-    table = rng.normal(size=(50, 64)).astype(np.float32)
-    weight = rng.normal(size=(64, 32)).astype(np.float32)
-    nodes = [
-        helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
-        helper.make_node("Add", ["emb", "x"], ["h"], name="add"),
-        helper.make_node("MatMul", ["h", "w"], ["y"], name="proj"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "emb",
-        [
-            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 6]),
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 32])],
-        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "w")],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return table, weight
 
 
 @pytest.mark.parametrize("bits", [4, 8])

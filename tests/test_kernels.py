@@ -382,20 +382,6 @@ def test_missing_cpu_library_says_reinstall(monkeypatch, tmp_path) -> None:
 # thread count. Sets this CPU lacks are skipped, so AVX2-only and AVX-512 machines both pass.
 
 
-@pytest.fixture(params=list(k.CPU_ISAS))
-def isa(request):
-    name = request.param
-    if name not in k.supported_cpu_isas():
-        pytest.skip(f"this CPU cannot run the {name} kernels")
-    k.set_cpu_isa(name)
-    yield name
-    k.set_cpu_isa(None)
-
-
-@pytest.fixture
-def threads():
-    yield k.set_cpu_threads
-    k.set_cpu_threads(None)
 
 
 def ref_hist(x: np.ndarray, half_range: float, nbins: int) -> np.ndarray:

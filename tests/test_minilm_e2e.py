@@ -26,12 +26,17 @@ from qtool.recipe import load_recipe  # noqa: E402
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "minilm" / "recipe.yaml"
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    recipe = load_recipe(RECIPE, output_dir=tmp_path_factory.mktemp("minilm"))
+def _quantized(path: Path, output_dir: Path):
+    """The example recipe on its first 64 calibration sentences (the test's time budget)."""
+    recipe = load_recipe(path, output_dir=output_dir)
     calibration = dataclasses.replace(recipe.calibration, max_samples=64)
     recipe = dataclasses.replace(recipe, calibration=calibration)
     return recipe, quantize(recipe, progress=False)
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    return _quantized(RECIPE, tmp_path_factory.mktemp("minilm"))
 
 
 def test_minilm_embeddings_stay_close_to_fp32(minilm):
@@ -68,10 +73,7 @@ RECIPE_INT4 = RECIPE.with_name("recipe-int4.yaml")
 
 @pytest.fixture(scope="module")
 def minilm_int4(tmp_path_factory):
-    recipe = load_recipe(RECIPE_INT4, output_dir=tmp_path_factory.mktemp("minilm-int4"))
-    calibration = dataclasses.replace(recipe.calibration, max_samples=64)
-    recipe = dataclasses.replace(recipe, calibration=calibration)
-    return recipe, quantize(recipe, progress=False)
+    return _quantized(RECIPE_INT4, tmp_path_factory.mktemp("minilm-int4"))
 
 
 def test_minilm_int4_matmuls_become_matmulnbits_and_tables_gather_quantized(minilm_int4, tmp_path):

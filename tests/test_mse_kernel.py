@@ -22,20 +22,6 @@ from qtool.quantize import int4
 MSE_GRID = int4._check_grid("mse", int4.DEFAULT_MSE_GRID)
 
 
-@pytest.fixture(params=list(k.CPU_ISAS))
-def isa(request):
-    name = request.param
-    if name not in k.supported_cpu_isas():
-        pytest.skip(f"this CPU cannot run the {name} kernels")
-    k.set_cpu_isa(name)
-    yield name
-    k.set_cpu_isa(None)
-
-
-@pytest.fixture
-def threads():
-    yield k.set_cpu_threads
-    k.set_cpu_threads(None)
 
 
 def _weights(rows: int, columns: int, seed: int) -> np.ndarray:

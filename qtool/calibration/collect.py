@@ -63,10 +63,7 @@ def save_with_extra_outputs(model: onnx.ModelProto, tensors: list[str], path: Pa
     keep = len(outputs)
     outputs.extend(extra)
     try:
-        if external_data.needs_external_data(model):
-            external_data.save_model(model, path)
-        else:
-            path.write_bytes(model.SerializeToString())
+        external_data.write_model(model, path)
     finally:
         del outputs[keep:]
 

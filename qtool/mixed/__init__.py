@@ -1,0 +1,1 @@
+"""Automatic mixed precision: per-node precisions chosen under an accuracy budget."""
