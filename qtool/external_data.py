@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -32,6 +32,7 @@ from typing import BinaryIO
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from qtool.errors import ModelError
 from qtool.io import Staged, stage
@@ -58,6 +59,9 @@ EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - (128 << 20)
 # Initializers of at least this many bytes go to the data file (onnx.save's default threshold);
 # smaller ones (scales, zero points, shape vectors) stay inline where passes read them.
 MIN_EXTERNAL_BYTES = 1024
+# onnx.checker on a proto serializes it and parses the copy in C++: above this much tensor data
+# the model is checked as a skeleton file instead (same verdict on the graph, no two copies).
+CHECK_IN_MEMORY_BYTES = 64 << 20
 # Offsets in the data file are multiples of this: the page size, ORT's condition for mmap on Linux.
 ALIGNMENT = 4096
 _CHUNK = 1 << 24  # streamed hashing of model files
@@ -281,10 +285,10 @@ def write_model(model: onnx.ModelProto, path: Path) -> None:
 
 
 def check_model(model: onnx.ModelProto) -> None:
-    """onnx.checker on a model of any size. A large one is checked as its skeleton file beside a
-    sparse data file of the right size (the checker reads references, not the weights): no
-    serialization of the whole model, and no gigabytes written."""
-    if not needs_external_data(model):
+    """onnx.checker on a model of any size. One with CHECK_IN_MEMORY_BYTES of tensor data or
+    more is checked as its skeleton file beside a sparse data file of the right size (the checker
+    reads references, not the weights): no serialization of the whole model, nothing written."""
+    if data_nbytes(model) < min(CHECK_IN_MEMORY_BYTES, EXTERNAL_DATA_THRESHOLD):
         onnx.checker.check_model(model)
         return
     with tempfile.TemporaryDirectory(prefix="qtool-check-") as folder:
@@ -328,10 +332,20 @@ class StagedModel:
     def files(self) -> dict[Path, bytes | Staged]:
         return {self.path: self.skeleton, self.data_path: self.data}
 
-    def load(self) -> onnx.ModelProto:
+    def load(self, skip: Collection[str] = ()) -> onnx.ModelProto:
         """The model with its weights read back: a fresh proto, so whatever memory the protos that
-        built it still hold is not carried along (the in-memory path re-parses its bytes)."""
-        return onnx.load(str(self.session_path))
+        built it still hold is not carried along (the in-memory path re-parses its bytes).
+        Initializers named in `skip` stay references to the staged data file (not read)."""
+        if not skip:
+            return onnx.load(str(self.session_path))
+        model = self.structure()
+        folder = str(self.session_path.parent)
+        for tensor in model.graph.initializer:
+            if tensor.data_location == TensorProto.EXTERNAL and tensor.name not in skip:
+                load_external_data_for_tensor(tensor, folder)
+                tensor.data_location = TensorProto.DEFAULT
+                del tensor.external_data[:]
+        return model
 
     def structure(self) -> onnx.ModelProto:
         """The model without its weights: large initializers reference the staged data file,

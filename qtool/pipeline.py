@@ -294,6 +294,12 @@ def _quantize(
     )
     biases = bias_parameters(model, layout, activations, weights)
     target = recipe.quantization.target
+    correction = recipe.quantization.algorithm("bias_correction")
+    if prepared.staged is not None and correction is None:
+        # The float weights being replaced are read no more (the writer drops them): read back
+        # only the rest from the staged file, so the float model is not held while writing.
+        prepared.model = model = None
+        prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
 
     def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
         float_biases = bias_parameters(float_model, layout, activations, weights)
@@ -301,7 +307,6 @@ def _quantize(
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target)
     algorithms = {}
-    correction = recipe.quantization.algorithm("bias_correction")
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(
@@ -327,7 +332,9 @@ def _quantize(
     staged = None
     try:
         source: bytes | Path
-        if external_data.needs_external_data(quantized):
+        # External data when the float model has it too: ORT sessions then map the weights
+        # from the file instead of each copying the serialized model.
+        if prepared.staged is not None or external_data.needs_external_data(quantized):
             with phase("writing the quantized model (external data)"):
                 staged = external_data.stage_model(quantized, recipe.quant_model_path)
             del quantized
