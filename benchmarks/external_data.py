@@ -57,6 +57,7 @@ def write_model(folder: Path, n: int, layers: int) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path = folder / "big.onnx"
+    (folder / "big.onnx.data").unlink(missing_ok=True)  # onnx.save appends to an existing file
     onnx.save(model, str(path), save_as_external_data=True, location="big.onnx.data")
     x_data = rng.standard_normal((16, n)).astype(np.float32)
     np.savez(folder / "data.npz", x=x_data)

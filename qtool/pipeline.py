@@ -298,7 +298,7 @@ def _quantize(
     if prepared.staged is not None and correction is None:
         # The float weights being replaced are read no more (the writer drops them): read back
         # only the rest from the staged file, so the float model is not held while writing.
-        prepared.model = model = None
+        prepared.model = model = None  # dropped before the read: never held twice
         prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
 
     def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
