@@ -35,6 +35,7 @@ from qtool import provenance
 from qtool.errors import DataError, ModelError
 from qtool.ort_session import create_session
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
+from qtool.runtime.fusion import sqnr_db
 from qtool.runtime.low_bit import (
     ACCURACY_LEVEL_KEY,
     ACCURACY_LEVELS,
@@ -485,11 +486,7 @@ class _Fidelity:
                 self.correct += int(np.count_nonzero(top_q == labels))
 
     def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        if self.signal == 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.signal / self.noise)
+        return sqnr_db(self.signal, self.noise)
 
     def metrics(self, labelled: bool) -> VariantMetrics:
         agreement = self.agree / self.predictions if self.predictions else None

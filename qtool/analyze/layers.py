@@ -24,6 +24,7 @@ from qtool.data import Batch
 from qtool.ort_session import create_session
 from qtool.plan import Plan
 from qtool.quantize.prepare import tensor_types
+from qtool.runtime.fusion import sqnr_db
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,7 @@ class _Energy:
         self.noise += float(np.sum(diff * diff))
 
     def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        if self.signal == 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.signal / self.noise)
+        return sqnr_db(self.signal, self.noise)
 
 
 def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes:
