@@ -42,6 +42,7 @@ from qtool.runtime.low_bit import (
     ORT_DEFAULT_ACCURACY_LEVEL,
     LowBitUsage,
     low_bit_usage,
+    written_accuracy_levels,
 )
 
 if TYPE_CHECKING:
@@ -140,14 +141,34 @@ class EvalResult:
     # What runs the 4-bit / blocked weights, and MatMulNBits' accuracy level (None: ORT default).
     low_bit: LowBitUsage | None = None
     accuracy_level: int | None = None
+    # accuracy_level -> MatMulNBits nodes written in the model file (the session option does not
+    # reach them; it applies to the nodes ORT forms from DequantizeLinear -> MatMul).
+    written_levels: dict[int, int] = field(default_factory=dict)
 
     def accuracy_level_note(self) -> str | None:
         """Which MatMulNBits compute the fused numbers came from, when MatMulNBits ran."""
         if self.low_bit is None or not self.low_bit.kernels.get("MatMulNBits"):
             return None
-        level = ORT_DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
-        source = "ORT's default" if self.accuracy_level is None else "set by the recipe/CLI"
-        return f"MatMulNBits accuracy level {level}: {ACCURACY_LEVELS[level]} ({source})"
+        notes = [
+            f"{count} written with accuracy level {level}: {ACCURACY_LEVELS.get(level, '?')}"
+            for level, count in sorted(self.written_levels.items())
+        ]
+        formed = self.low_bit.kernels["MatMulNBits"] - sum(self.written_levels.values())
+        if formed > 0:
+            level = self.accuracy_level
+            source = "set by the recipe/CLI"
+            if level is None:
+                level, source = ORT_DEFAULT_ACCURACY_LEVEL, "ORT's session default"
+            notes.append(
+                f"{formed} formed from QDQ at accuracy level {level}: {ACCURACY_LEVELS[level]} "
+                f"({source})"
+            )
+        elif self.accuracy_level is not None:
+            notes.append(
+                f"the session's accuracy level {self.accuracy_level} does not apply to nodes "
+                "written as MatMulNBits"
+            )
+        return "MatMulNBits: " + "; ".join(notes)
 
     @property
     def has_labels(self) -> bool:
@@ -611,6 +632,7 @@ def evaluate_models(
     prov, warnings = check_provenance(
         fp32_path, quant_proto, quant_path, allow_foreign_fp32, fp32_proto
     )
+    written_levels = dict(written_accuracy_levels(quant_proto))
     sizes = (_model_bytes(fp32_path, fp32_proto), _model_bytes(quant_path, quant_proto))
     del fp32_proto, quant_proto
     ref_session = create_session(fp32_path, threads=threads)
@@ -720,6 +742,7 @@ def evaluate_models(
         quant_path=quant_path,
         low_bit=low_bit,
         accuracy_level=accuracy_level,
+        written_levels=written_levels,
     )
 
 

@@ -41,6 +41,7 @@ from qtool.ort_session import create_session
 from qtool.phases import phase
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
+from qtool.quantize.matmul_nbits import nbits_level
 from qtool.quantize.opset21 import TARGET_OPSET
 from qtool.quantize.prepare import prepare_model, tensor_types
 from qtool.quantize.qdq import write_qdq_model
@@ -294,6 +295,7 @@ def _quantize(
     )
     biases = bias_parameters(model, layout, activations, weights)
     target = recipe.quantization.target
+    nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
     correction = recipe.quantization.algorithm("bias_correction")
     if prepared.staged is not None and correction is None:
         # The float weights being replaced are read no more (the writer drops them): read back
@@ -303,9 +305,11 @@ def _quantize(
 
     def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
         float_biases = bias_parameters(float_model, layout, activations, weights)
-        return write_qdq_model(float_model, layout, activations, weights, float_biases, target)
+        return write_qdq_model(
+            float_model, layout, activations, weights, float_biases, target, nbits
+        )
 
-    quantized = write_qdq_model(model, layout, activations, weights, biases, target)
+    quantized = write_qdq_model(model, layout, activations, weights, biases, target, nbits)
     algorithms = {}
     if correction is not None:
         with phase("bias correction"):
@@ -376,6 +380,11 @@ def _quantize(
             recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
         )
         report["algorithms"] = algorithms
+        report["int4_matmul"] = {
+            "format": recipe.quantization.resolved_int4_format,
+            "accuracy_level": nbits,
+            "why": nbits_reason,
+        }
         commit_files(
             {
                 **calibration.files,

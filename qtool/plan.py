@@ -52,6 +52,9 @@ class WeightPlan:
     method: str = "minmax"  # scale search: minmax (round to nearest), mse, gptq
     symmetric: bool = True
     transposed: bool = False
+    # Symmetric 4-bit blocks may take a negative scale (the largest magnitude on -8, as ORT's
+    # RTN does) where it reconstructs better; TensorRT wants positive scales, so ort-cpu only.
+    signed_scales: bool = False
     # Filled when the weight format stage runs: channels whose scale it had to widen, and by how
     # much resolution (log2 of the largest scale ratio) that cost.
     channels_changed: int = 0

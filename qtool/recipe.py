@@ -20,6 +20,9 @@ from qtool.runtime.cpu import CPU_NAMES
 
 METHODS = ("minmax", "entropy", "percentile", "mse")
 TARGETS = ("ort-cpu", "tensorrt")
+# How 4-bit MatMul/Gemm weights are written, and MatMulNBits' compute type (matmul_nbits.py).
+INT4_FORMATS = ("matmulnbits", "qdq")
+ACCURACY_LEVEL_CHOICES = ("auto", "0", "1", "2", "3", "4")
 DEFAULT_OP_TYPES = ("Conv", "Gemm", "MatMul")
 # Ops with integer kernels in ORT's CPU provider and TensorRT that qtool knows how to place.
 SUPPORTED_OP_TYPES = (
@@ -197,6 +200,17 @@ class QuantizationSpec:
     overrides: tuple[Override, ...] = ()
     # Accuracy algorithms in the order they run (ALGORITHM_ORDER), each with its parameters.
     algorithms: tuple[tuple[str, dict], ...] = ()
+    # How 4-bit MatMul/Gemm weights are written (qtool/quantize/matmul_nbits.py): None means the
+    # target's default (ort-cpu: matmulnbits, tensorrt: qdq); the MatMulNBits accuracy level
+    # "auto" is picked for `cpu`.
+    int4_format: str | None = None
+    accuracy_level: str = "auto"
+
+    @property
+    def resolved_int4_format(self) -> str:
+        if self.int4_format is not None:
+            return self.int4_format
+        return "qdq" if self.target == "tensorrt" else "matmulnbits"
 
     def algorithm(self, name: str) -> dict | None:
         """The parameters of algorithm `name` when the recipe turns it on, else None."""
@@ -666,6 +680,8 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         "activations",
         "overrides",
         "algorithms",
+        "int4_format",
+        "accuracy_level",
     }
     reader.mapping(raw, "quantization", keys)
     op_types = _read_op_types(
@@ -686,8 +702,21 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
     overrides = raw.get("overrides", [])
     if not isinstance(overrides, list):
         raise reader.fail("quantization.overrides", f"must be a list, got {overrides!r}")
+    target = reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS)
+    int4_format = raw.get("int4_format")
+    if int4_format is not None:
+        int4_format = reader.choice(int4_format, "quantization.int4_format", INT4_FORMATS)
+        if int4_format == "matmulnbits" and target != "ort-cpu":
+            raise reader.fail(
+                "quantization.int4_format",
+                f"matmulnbits is ONNX Runtime's operator; target {target} reads qdq",
+            )
+    accuracy_level = str(raw.get("accuracy_level", "auto"))
+    reader.choice(accuracy_level, "quantization.accuracy_level", ACCURACY_LEVEL_CHOICES)
     return QuantizationSpec(
-        target=reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS),
+        target=target,
+        int4_format=int4_format,
+        accuracy_level=accuracy_level,
         op_types=op_types,
         exclude=reader.string_list(raw.get("exclude", []), "quantization.exclude"),
         cpu=reader.choice(raw.get("cpu", "auto"), "quantization.cpu", CPU_NAMES),

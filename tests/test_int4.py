@@ -292,3 +292,25 @@ def test_gather_block_quantized_rejects_forms_ort_lacks():
         )
     with pytest.raises(ValueError, match="last axis"):
         gather_block_quantized_node("e", quantize_embedding(table, block_size=None), "ids", "y")
+
+
+def test_signed_scales_use_all_sixteen_levels_and_never_reconstruct_worse():
+    from qtool.quantize.int4 import dequantize, quantize_blockwise
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((64, 24)).astype(np.float32)
+    weight[5, :12] = 4.0  # positive outliers: a positive-only scale wastes the -8 level
+    plain = quantize_blockwise(weight, block_size=16, bits=4)
+    signed = quantize_blockwise(weight, block_size=16, bits=4, signed_scales=True)
+
+    def block_errors(bw):
+        diff = (dequantize(bw) - weight).astype(np.float64) ** 2
+        return diff.reshape(4, 16, 24).sum(axis=1)
+
+    assert np.all(block_errors(signed) <= block_errors(plain))
+    assert block_errors(signed)[0, :12].sum() < 0.9 * block_errors(plain)[0, :12].sum()
+    flipped = signed.scale[0, :12] < 0  # most outlier blocks take a negative scale...
+    assert flipped.sum() >= 8
+    assert np.all(signed.values[5, :12][flipped] == -8)  # ...which puts the outlier on -8
+    mse = quantize_blockwise(weight, block_size=16, bits=4, method="mse", signed_scales=True)
+    assert np.all(block_errors(mse) <= block_errors(signed) + 1e-12)

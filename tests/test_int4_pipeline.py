@@ -24,7 +24,8 @@ from qtool.algorithms.gptq import hessian_error
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import RecipeError
-from qtool.quantize.int4 import BlockwiseWeight, dequantize, quantize_blockwise
+from qtool.quantize.int4 import dequantize, quantize_blockwise
+from qtool.quantize.matmul_nbits import accuracy_level_for, read_nbits_weight
 from qtool.recipe import load_recipe
 from qtool.runtime.cpu import detect_cpu
 
@@ -59,7 +60,15 @@ def test_digits_int4_gemms_become_matmulnbits_and_convs_run_float(digits_int4, t
     model = onnx.load(str(model_path))
     assert model.opset_import[0].version >= 21
     int4 = [i for i in model.graph.initializer if i.data_type == TensorProto.INT4]
-    assert len(int4) == 5  # 3 Conv + 2 Gemm weights, packed two per byte
+    assert len(int4) == 3  # the Conv weights, packed two per byte, behind DequantizeLinear
+    # The Gemm weights are written as MatMulNBits with the level chosen for this CPU, so a
+    # default ORT session runs the compute type that is fastest here.
+    level, _ = accuracy_level_for(detect_cpu())
+    written = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert sorted(n.name for n in written) == ["/fc1/Gemm", "/fc2/Gemm"]
+    assert all({a.name: a.i for a in n.attribute}["accuracy_level"] == level for n in written)
+    report_level = json.loads((out / "report.json").read_text())["int4_matmul"]
+    assert report_level["format"] == "matmulnbits" and report_level["accuracy_level"] == level
     ops = _ort_optimized_ops(model_path, tmp_path)
     assert ops["MatMulNBits"] == 2 and ops["Gemm"] == 0 and ops["FusedGemm"] == 0, ops
 
@@ -102,30 +111,37 @@ def test_digits_int4_keeps_accuracy_and_shrinks_the_file(digits_int4, cli, tmp_p
     assert gated["fused"]["accuracy"] >= gated["fp32_accuracy"] - 0.01
     assert evaluation["size"]["ratio"] > 4.0
     assert evaluation["low_bit"] == {"kernels": {"MatMulNBits": 2}, "dequantized": {"Conv": 3}}
-    assert "accuracy level 4" in evaluation["matmul_nbits_accuracy_level"]
-    assert "ORT's default" in evaluation["matmul_nbits_accuracy_level"]
+    level, _ = accuracy_level_for(detect_cpu())
+    note = evaluation["matmul_nbits_accuracy_level"]
+    assert note.startswith(f"MatMulNBits: 2 written with accuracy level {level}"), note
 
 
-def test_accuracy_level_option_reaches_the_session(digits_int4, cli, tmp_path):
-    folder, out, _ = digits_int4
-    report_json = tmp_path / "eval.json"
-    result = cli(
-        "evaluate",
-        folder / "recipe-int4.yaml",
-        "-o",
-        out,
-        "--accuracy-level",
-        "1",
-        "--latency-runs",
-        "1",
-        "--json",
-        report_json,
-        "--no-progress",
+def test_accuracy_level_option_reaches_the_session_for_qdq_models(digits_int4, cli, tmp_path):
+    folder, _, _ = digits_int4
+    recipe = folder / "recipe-int4-qdq.yaml"
+    recipe.write_text(
+        "base: recipe-int4.yaml\nquantization: {int4_format: qdq, algorithms: []}\n"
+        "output: {dir: out-int4-qdq}\n"
     )
+    out = folder / "out-int4-qdq"
+    result = cli("quantize", recipe, "--no-progress")
     assert result.exit_code == 0, result.output
-    note = json.loads(report_json.read_text())["matmul_nbits_accuracy_level"]
-    assert note.startswith("MatMulNBits accuracy level 1: fp32") and "recipe/CLI" in note
-    bad = cli("evaluate", folder / "recipe-int4.yaml", "-o", out, "--accuracy-level", "7")
+    model = onnx.load(str(out / "model.int4.onnx"))
+    assert not [n for n in model.graph.node if n.op_type == "MatMulNBits"]  # portable QDQ
+    assert _ort_optimized_ops(out / "model.int4.onnx", tmp_path)["MatMulNBits"] == 2
+    notes = {}
+    for level in (None, "1"):
+        report_json = tmp_path / f"eval-{level}.json"
+        extra = [] if level is None else ["--accuracy-level", level]
+        args = ["-o", out, "--latency-runs", "1", "--json", report_json, "--no-progress"]
+        result = cli("evaluate", recipe, *args, *extra)
+        assert result.exit_code == 0, result.output
+        notes[level] = json.loads(report_json.read_text())["matmul_nbits_accuracy_level"]
+    assert "2 formed from QDQ at accuracy level 4" in notes[None]
+    assert "ORT's session default" in notes[None]
+    assert "2 formed from QDQ at accuracy level 1: fp32" in notes["1"]
+    assert "recipe/CLI" in notes["1"]
+    bad = cli("evaluate", recipe, "-o", out, "--accuracy-level", "7")
     assert bad.exit_code == 2
 
 
@@ -255,6 +271,12 @@ def _embedding_model(path: Path) -> np.ndarray:
             "quantization.overrides[0].weights.bits: 8 contradicts precision 'int4'",
         ),
         ({"per_channel": False, "weights": {"granularity": "block"}}, "quantization.per_channel"),
+        (
+            {"target": "tensorrt", "int4_format": "matmulnbits"},
+            "quantization.int4_format: matmulnbits is ONNX Runtime's operator",
+        ),
+        ({"int4_format": "nbits"}, "quantization.int4_format: must be one of matmulnbits, qdq"),
+        ({"accuracy_level": 5}, "quantization.accuracy_level: must be one of auto, 0"),
     ],
 )
 def test_bad_weight_settings_name_the_key(tmp_path, quantization, message):
@@ -363,15 +385,8 @@ def test_gptq_streams_hessians_and_beats_round_to_nearest_on_them(digits_int4, c
     }
     weight = np.ascontiguousarray(fp32["fc1.weight"].T)  # stored [K, N]
     model = onnx.load(str(out / "model.int4.onnx"))
-    inits = {i.name: i for i in model.graph.initializer}
-    written = BlockwiseWeight(
-        values=numpy_helper.to_array(inits["fc1.weight_quantized"]).astype(np.int8),
-        scale=numpy_helper.to_array(inits["fc1.weight_scale"]),
-        zero_point=None,
-        bits=4,
-        axis=0,
-        block_size=16,
-    )
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    written = read_nbits_weight(next(n for n in model.graph.node if n.name == "/fc1/Gemm"), inits)
     h = hessians["/flatten/Flatten_output_0"].xtx
     rtn = quantize_blockwise(weight, block_size=16)
     assert hessian_error(weight, written, h) < 0.9 * hessian_error(weight, rtn, h)

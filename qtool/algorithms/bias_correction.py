@@ -134,6 +134,10 @@ def local_model(
             raise CalibrationError(f"bias correction: node '{target.node}' not in the QDQ model")
         for name in node.input:
             include(name)
+            if name in q_inits and name not in have:  # read directly (MatMulNBits' packed B)
+                out.graph.initializer.append(q_inits[name])
+                have.add(name)
+                added_inits.add(name)
         twin = onnx.NodeProto()
         twin.CopyFrom(node)
         twin.name = node.name + _LOCAL

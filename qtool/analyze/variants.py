@@ -21,6 +21,7 @@ from qtool.calibration.observers import TensorStats
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import Layout, plan_layout
+from qtool.quantize.matmul_nbits import nbits_level
 from qtool.quantize.params import ActivationParams, WeightParams
 from qtool.quantize.prepare import tensor_types
 from qtool.quantize.qdq import write_qdq_model
@@ -138,9 +139,9 @@ class Assembler:
         activations = self._activation_params(layout)
         weights = self._weight_params(layout)
         biases = bias_parameters(self.model, layout, activations, weights)
-        return write_qdq_model(
-            self.model, layout, activations, weights, biases, self.recipe.quantization.target
-        )
+        spec = self.recipe.quantization
+        nbits, _ = nbits_level(spec, self.cpu)
+        return write_qdq_model(self.model, layout, activations, weights, biases, spec.target, nbits)
 
     def _activation_params(self, layout: Layout) -> dict[str, ActivationParams]:
         todo = {

@@ -59,6 +59,9 @@ _MIN_SCALE = np.float32(1e-8)
 _METHODS = ("minmax", "mse")
 
 
+MS_DOMAIN = "com.microsoft"  # ORT's contrib operators (MatMulNBits, GatherBlockQuantized)
+
+
 @dataclass(frozen=True)
 class BlockwiseWeight:
     """Quantized weight in ONNX DequantizeLinear terms: y = (values - zero_point) * scale.
@@ -152,8 +155,38 @@ def _block_range(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return low, high
 
 
+def _signed_scales(low: np.ndarray, high: np.ndarray, bits: int) -> np.ndarray:
+    """Symmetric scales that put each block's largest-magnitude value on qmin (-8 for 4 bits),
+    negative when that value is positive: all 16 levels serve the wider side, as ONNX Runtime's
+    own round-to-nearest INT4 quantizer does (DequantizeLinear and MatMulNBits take any sign)."""
+    qmin, _ = _qrange(bits, True)
+    scale = np.where(high > -low, high / np.float32(qmin), low / np.float32(qmin))
+    magnitude = np.abs(scale)
+    sign = np.where(scale < 0, np.float32(-1.0), np.float32(1.0))
+    return np.where(
+        magnitude > 0, sign * np.maximum(magnitude, _MIN_SCALE), np.float32(1.0)
+    ).astype(np.float32)
+
+
+def _prefer_signed(
+    blocks: np.ndarray, values: np.ndarray, scale: np.ndarray, bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the signed-scale grid where it reconstructs strictly better than `scale`'s."""
+    low, high = _block_range(blocks)
+    signed = _signed_scales(low, high, bits)
+    better = _block_error(blocks, signed, None, bits) < _block_error(blocks, scale, None, bits)
+    scale = np.where(better, signed, scale)
+    signed_values = quantize_values(blocks, signed[:, None, :], None, bits)
+    return np.where(better[:, None, :], signed_values, values), scale
+
+
 def _quantize_blocks(
-    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...], device: str = "cpu"
+    blocks: np.ndarray,
+    bits: int,
+    symmetric: bool,
+    grid: tuple[float, ...],
+    device: str = "cpu",
+    signed_scales: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Blocks [nb, B, M] (padding rows must be zeros) -> values, scale [nb, M], zero point.
 
@@ -162,7 +195,19 @@ def _quantize_blocks(
     The `mse` search (more than one factor) runs in the compiled kernel (`qtool.kernels.
     block_mse_search`, on `device`), which reproduces `_mse_search_numpy` bit for bit and is
     what makes per-block searching affordable on large weights.
+
+    `signed_scales` (symmetric only): afterwards each block takes the signed-scale grid of
+    `_signed_scales` where that reconstructs better, so the result is never worse than either.
     """
+    values, scale, zero = _search_blocks(blocks, bits, symmetric, grid, device)
+    if signed_scales and symmetric:
+        values, scale = _prefer_signed(blocks, values, scale, bits)
+    return values, scale, zero
+
+
+def _search_blocks(
+    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...], device: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     if len(grid) == 1:
         low, high = _block_range(blocks)
         scale, zero = _scales_for(low, high, bits, symmetric)
@@ -267,6 +312,7 @@ def quantize_blockwise(
     axis: int = 0,
     name: str = "weight",
     device: str = "cpu",
+    signed_scales: bool = False,
 ) -> BlockwiseWeight:
     """Blocked quantization along `axis` (0: a MatMul weight [K, N], blocks along K).
 
@@ -285,7 +331,7 @@ def quantize_blockwise(
     padded = np.zeros((n_blocks * block_size, flat.shape[1]), np.float32)
     padded[:length] = flat
     values, scale, zero = _quantize_blocks(
-        padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid, device
+        padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid, device, signed_scales
     )
     values = values.reshape(n_blocks * block_size, -1)[:length]
 
@@ -312,6 +358,7 @@ def quantize_per_channel(
     axis: int = 0,
     name: str = "weight",
     device: str = "cpu",
+    signed_scales: bool = False,
 ) -> BlockwiseWeight:
     """One scale per index along `axis` (0: a Conv weight's output channels), no blocks.
 
@@ -327,7 +374,7 @@ def quantize_per_channel(
     # [C, R] -> one block of R rows per channel column: [1, R, C]
     blocks = moved.reshape(channels, -1).T[None]
     values, scale, zero = _quantize_blocks(
-        np.ascontiguousarray(blocks), bits, symmetric, grid, device
+        np.ascontiguousarray(blocks), bits, symmetric, grid, device, signed_scales
     )
     values = np.moveaxis(values[0].T.reshape(moved.shape), 0, axis)
     return BlockwiseWeight(
@@ -505,6 +552,6 @@ def gather_block_quantized_node(
         inputs,
         [output],
         name=f"{name}_GatherBlockQuantized",
-        domain="com.microsoft",
+        domain=MS_DOMAIN,
         **attrs,
     )

@@ -262,6 +262,10 @@ def _weight_plan(slot: WeightSlot, chosen: NodeSettings, spec: QuantizationSpec)
         method=method,
         symmetric=symmetric,
         transposed=slot.transposed,
+        signed_scales=spec.target == "ort-cpu"
+        and symmetric
+        and settings.bits == 4
+        and slot.reduction != "gather",
     )
 
 

@@ -48,7 +48,12 @@ def quantize_low_bit(
             act_order=True,
             name=plan.tensor,
         )
-    options = {"bits": plan.bits, "symmetric": plan.symmetric, "method": method}
+    options = {
+        "bits": plan.bits,
+        "symmetric": plan.symmetric,
+        "method": method,
+        "signed_scales": plan.signed_scales,
+    }
     if plan.block_size is not None:
         return quantize_blockwise(
             weight, block_size=plan.block_size, axis=int(slot.axis), name=plan.tensor, **options

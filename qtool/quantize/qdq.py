@@ -17,15 +17,15 @@ from onnx import helper, numpy_helper
 from qtool import external_data
 from qtool.errors import ModelError
 from qtool.quantize.int4 import (
+    MS_DOMAIN,
     BlockwiseWeight,
     dequantize_node,
     gather_block_quantized_node,
     to_initializers,
 )
 from qtool.quantize.layout import Layout
+from qtool.quantize.matmul_nbits import matmul_nbits_node, nbits_blocker, nbits_initializers
 from qtool.quantize.params import ActivationParams, WeightParams
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,13 @@ def write_qdq_model(
     weights: dict[str, WeightParams | BlockwiseWeight],
     biases: dict[str, BiasParams],
     target: str = "ort-cpu",
+    nbits_level: int | None = None,
 ) -> onnx.ModelProto:
-    """Return a new model; `model` is the prepared float model the layout was planned on."""
+    """Return a new model; `model` is the prepared float model the layout was planned on.
+
+    `nbits_level` set: 4-bit MatMul/Gemm weights that ORT would fuse are written as MatMulNBits
+    with that accuracy level (qtool/quantize/matmul_nbits.py); None keeps every weight in QDQ.
+    """
     graph = model.graph
     replaced = set(weights) | set(biases)
     new_initializers = [init for init in graph.initializer if init.name not in replaced]
@@ -86,12 +91,16 @@ def write_qdq_model(
         for name in fused_tables
         if any(n.op_type != "Gather" and name in n.input for n in graph.node)
     }
+    transposed = {name for name, slot in layout.weights.items() if slot.transposed}
+    nbits = {} if nbits_level is None else _nbits_readers(graph, low_bit, transposed)
     for name, bw in sorted(low_bit.items()):
+        if name in nbits:
+            new_initializers.extend(nbits_initializers(name, bw))
+            continue
         new_initializers.extend(to_initializers(name, bw))
         if name not in fused_tables or name in gather_readers:
             rename[name] = f"{name}_dequantized"
             head_nodes.append(dequantize_node(name, bw, rename[name]))
-    transposed = {name for name, slot in layout.weights.items() if slot.transposed}
 
     constants = [
         (name, w.values, w.scale, w.zero_point_array(), w.axis)
@@ -159,7 +168,10 @@ def write_qdq_model(
                 rewritten.input[index] = rename[name]
         if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
             _set_int_attribute(rewritten, "transB", 0)
-        if node.op_type == "Gemm" and _blocked_weight(node, low_bit):
+        if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
+            weight = node.input[1]
+            body.extend(_nbits_nodes(rewritten, weight, low_bit[weight], graph, nbits_level))
+        elif node.op_type == "Gemm" and _blocked_weight(node, low_bit):
             body.extend(_split_gemm_bias(rewritten))
         else:
             body.append(rewritten)
@@ -179,7 +191,7 @@ def write_qdq_model(
         value_info=value_info,
     )
     opset_imports = list(model.opset_import)
-    if fused_tables and all(o.domain != MS_DOMAIN for o in opset_imports):
+    if (fused_tables or nbits) and all(o.domain != MS_DOMAIN for o in opset_imports):
         opset_imports.append(helper.make_opsetid(MS_DOMAIN, 1))
     quantized_model = helper.make_model(
         new_graph,
@@ -190,6 +202,57 @@ def write_qdq_model(
     quantized_model.ir_version = model.ir_version
     external_data.check_model(quantized_model)  # over 2 GB: checked without serializing it
     return quantized_model
+
+
+def _nbits_readers(
+    graph: onnx.GraphProto, low_bit: dict[str, BlockwiseWeight], transposed: set[str]
+) -> dict[str, str]:
+    """4-bit weight -> the one MatMul/Gemm node that reads it as B and can run as MatMulNBits.
+
+    A weight read by anything else as well keeps its DequantizeLinear (one copy of the data).
+    """
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in set(node.input):
+            if name in low_bit:
+                readers.setdefault(name, []).append(node)
+    chosen = {}
+    for name, nodes in readers.items():
+        if len(nodes) != 1 or len(nodes[0].input) < 2 or nodes[0].input[1] != name:
+            continue
+        if nodes[0].input[0] == name:
+            continue
+        node = onnx.NodeProto()
+        node.CopyFrom(nodes[0])
+        if name in transposed:
+            _set_int_attribute(node, "transB", 0)
+        if nbits_blocker(node, low_bit[name]) is None:
+            chosen[name] = node.name
+    return chosen
+
+
+def _nbits_nodes(
+    node: onnx.NodeProto,
+    weight: str,
+    bw: BlockwiseWeight,
+    graph: onnx.GraphProto,
+    accuracy_level: int,
+) -> list[onnx.NodeProto]:
+    """MatMulNBits for `node`, plus an Add when a Gemm bias is not the [N] vector it can take."""
+    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
+    if not bias:
+        return [matmul_nbits_node(node, weight, bw, None, accuracy_level)]
+    original = node.input[2].removesuffix("_dequantized")
+    init = next((i for i in graph.initializer if i.name in (bias, original)), None)
+    if init is not None and list(init.dims) == [bw.values.shape[1]]:
+        return [matmul_nbits_node(node, weight, bw, bias, accuracy_level)]
+    product = onnx.NodeProto()
+    product.CopyFrom(node)
+    product.output[0] = f"{node.output[0]}_before_bias"
+    add = helper.make_node(
+        "Add", [product.output[0], bias], [node.output[0]], name=f"{node.name}_bias_Add"
+    )
+    return [matmul_nbits_node(product, weight, bw, None, accuracy_level), add]
 
 
 def _blocked_weight(node: onnx.NodeProto, low_bit: dict[str, BlockwiseWeight]) -> bool:

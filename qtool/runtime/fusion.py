@@ -600,7 +600,9 @@ def _planned_node(name: str, op_type: str, qdq: _Index) -> onnx.NodeProto:
     if len(nodes) > 1:
         raise ModelError(f"node name '{name}' is not unique in the quantized model")
     node = nodes[0]
-    if node.op_type != op_type:
+    # A 4-bit MatMul/Gemm weight the writer gave ORT as MatMulNBits (qtool/quantize/matmul_nbits)
+    written_as_nbits = node.op_type == "MatMulNBits" and op_type in ("MatMul", "Gemm")
+    if node.op_type != op_type and not written_as_nbits:
         raise ModelError(
             f"planned node '{name}' is a {op_type} in the plan but a {node.op_type} in the "
             "quantized model"

@@ -76,6 +76,17 @@ def _is_low_bit_dq(node: onnx.NodeProto, low_bit: set[str]) -> bool:
     return node.input[0] in low_bit or blocked
 
 
+def written_accuracy_levels(model: onnx.ModelProto) -> Counter:
+    """accuracy_level -> count of the MatMulNBits nodes the model file already holds (the
+    session option does not change them; it applies only to nodes ORT forms from QDQ)."""
+    levels: Counter = Counter()
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            levels[attrs.get("accuracy_level", 0)] += 1
+    return levels
+
+
 def low_bit_usage(model_path: Path, session_config: dict[str, str] | None = None) -> LowBitUsage:
     """Inspect the model as ORT optimizes it (with the same session config as the measurement)."""
     model = onnx.load(str(model_path), load_external_data=False)
@@ -84,6 +95,9 @@ def low_bit_usage(model_path: Path, session_config: dict[str, str] | None = None
     weights = {n.input[0] for n in model.graph.node if _is_low_bit_dq(n, low_bit)}
     weights |= {
         n.input[0] for n in model.graph.node if n.op_type == "GatherBlockQuantized" and n.input
+    }
+    weights |= {  # written as MatMulNBits already (qtool/quantize/matmul_nbits.py)
+        n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) > 1
     }
     if not weights:
         return usage
