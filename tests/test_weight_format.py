@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.pipeline import quantize
 from qtool.plan import WeightPlan
+from qtool.quantize import weight_format
 from qtool.quantize.layout import WeightSlot
 from qtool.quantize.params import quantize_weight
 from qtool.quantize.weight_format import (
@@ -163,6 +164,19 @@ def test_pairsafe_never_overflows_and_beats_seven_bits(slot: WeightSlot, shape) 
     seven_plan, seven = results["reduce-range"]
     assert np.abs(seven.values).max() <= 63 and seven_plan.format == "s7"
     assert error(full) < error(safe) < error(seven)
+
+
+@pytest.mark.parametrize(
+    "slot", [WeightSlot("w", 1, "k-rows"), WeightSlot("w", None, "k-rows")], ids=["axis", "tensor"]
+)
+def test_pairsafe_search_in_small_chunks_gives_the_same_weight(slot, monkeypatch) -> None:
+    """The search is chunked to hold memory flat on large weights; chunking must not change it."""
+    weight = np.random.default_rng(1).standard_normal((96, 40)).astype(np.float32)
+    whole = choose_weight(weight, slot, WeightPlan("w", axis=slot.axis), AVX2, "pair-safe")
+    monkeypatch.setattr(weight_format, "_CHUNK_ELEMENTS", 200)  # 2 channels of K=96 per chunk
+    chunked = choose_weight(weight, slot, WeightPlan("w", axis=slot.axis), AVX2, "pair-safe")
+    assert np.array_equal(whole.values, chunked.values)
+    assert np.array_equal(whole.scale, chunked.scale)
 
 
 def test_uint8_weights_are_the_int8_values_plus_128() -> None:

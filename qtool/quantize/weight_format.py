@@ -112,47 +112,85 @@ def _limit_pairs(pairs: np.ndarray) -> None:
         pairs[rows, cols] = pair * sign
 
 
+# Elements of the reduction matrix searched at once: the search holds a few float32/int16 copies
+# of a chunk, so peak memory stays a few MB above the weight itself however large it is.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunks(rows: np.ndarray, k: int) -> list[np.ndarray]:
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    return [rows[i : i + step] for i in range(0, rows.size, step)]
+
+
+def _candidate_q(sub: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int16 values of `sub` at per-row `scale` with every overflowing pair lowered, and each
+    row's squared error."""
+    q = np.clip(np.rint(sub / scale[:, None]), -127, 127).astype(np.int16)
+    _limit_pairs(q.reshape(q.shape[0], -1, 2))
+    diff = q * scale[:, None] - sub
+    return q, np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
+
+
+def _padded_rows(matrix: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    sub = np.zeros((rows.size, k + k % 2), np.float32)  # padded to whole pairs
+    sub[:, :k] = matrix[rows]
+    return sub
+
+
 def _pairsafe(
     weight: np.ndarray, slot: WeightSlot, full: WeightParams, unsafe: np.ndarray
 ) -> WeightParams:
-    """int8 values with no overflowing pair and the least weight error per channel (see top)."""
-    matrix = reduction_matrix(weight, slot).astype(np.float32)
+    """int8 values with no overflowing pair and the least weight error per channel (see top).
+
+    Scales between full range and "every pair fits" are tried (_CANDIDATES of them). Per-channel
+    weights search only the channels that could overflow, chunk by chunk; a per-tensor weight
+    shares one scale, so its candidates' errors are summed over all chunks first and the values
+    are computed once more at the winner.
+    """
+    matrix = reduction_matrix(weight, slot)  # a view where the layout allows
     channels, k = matrix.shape
     full_scale = np.broadcast_to(np.asarray(full.scale, np.float32), (channels,))
-    q_full = np.rint(matrix / full_scale[:, None])
-    # Per-channel weights: only the channels that could overflow are searched. One scale for the
-    # whole tensor: every channel shares it, so all are searched together.
-    rows = np.nonzero(unsafe)[0] if slot.axis is not None else np.arange(channels)
-    sub = np.zeros((rows.size, k + k % 2), np.float32)  # padded once to whole pairs
-    sub[:, :k] = matrix[rows]
-    positive, negative = pair_extremes(sub)
-    fits = (np.maximum(positive, negative) / 127.0).astype(np.float32)  # every pair fits
-    base = full_scale[rows]
-    if slot.axis is None:
-        fits = np.full_like(fits, fits.max())
-    best_q = np.zeros(sub.shape, np.int16)
-    best_scale = base.copy()
-    best_error = np.full(rows.size, np.inf)
-    for t in np.linspace(0.0, 1.0, _CANDIDATES, dtype=np.float32):
-        scale = base + t * np.maximum(fits - base, np.float32(0.0))
-        q = np.clip(np.rint(sub / scale[:, None]), -127, 127).astype(np.int16)
-        _limit_pairs(q.reshape(rows.size, -1, 2))
-        diff = q * scale[:, None] - sub
-        error = np.einsum("ij,ij->i", diff, diff, dtype=np.float64)
-        if slot.axis is None:
-            error = np.full_like(error, error.sum())
-        better = error < best_error
-        best_q[better] = q[better]
-        best_scale[better] = scale[better]
-        best_error[better] = error[better]
-    values = q_full.astype(np.int8)
-    values[rows] = best_q[:, :k].astype(np.int8)
+    values = np.array(reduction_matrix(full.values, slot), np.int8)
     scales = np.array(full_scale, np.float32)
-    scales[rows] = best_scale
+    steps = np.linspace(0.0, 1.0, _CANDIDATES, dtype=np.float32)
+    if slot.axis is not None:
+        for rows in _chunks(np.nonzero(unsafe)[0], k):
+            sub = _padded_rows(matrix, rows, k)
+            positive, negative = pair_extremes(sub)
+            fits = (np.maximum(positive, negative) / 127.0).astype(np.float32)
+            base = full_scale[rows]
+            best_q = np.zeros(sub.shape, np.int16)
+            best_scale = base.copy()
+            best_error = np.full(rows.size, np.inf)
+            for t in steps:
+                scale = base + t * np.maximum(fits - base, np.float32(0.0))
+                q, error = _candidate_q(sub, scale)
+                better = error < best_error
+                best_q[better] = q[better]
+                best_scale[better] = scale[better]
+                best_error[better] = error[better]
+            values[rows] = best_q[:, :k].astype(np.int8)
+            scales[rows] = best_scale
+        values = from_reduction_matrix(values, weight.shape, slot)
+        return WeightParams(np.ascontiguousarray(values), scales, slot.axis)
+    every = _chunks(np.arange(channels), k)
+    fits_all = np.float32(0.0)
+    for rows in every:
+        positive, negative = pair_extremes(_padded_rows(matrix, rows, k))
+        fits_all = max(fits_all, np.float32(np.maximum(positive, negative).max() / 127.0))
+    base = np.float32(full_scale[0])
+    candidates = [base + t * max(fits_all - base, np.float32(0.0)) for t in steps]
+    errors = np.zeros(len(candidates))
+    for rows in every:
+        sub = _padded_rows(matrix, rows, k)
+        for index, scale in enumerate(candidates):
+            errors[index] += _candidate_q(sub, np.full(rows.size, scale, np.float32))[1].sum()
+    best = candidates[int(np.argmin(errors))]  # first minimum: ties keep the wider range
+    for rows in every:
+        q, _ = _candidate_q(_padded_rows(matrix, rows, k), np.full(rows.size, best, np.float32))
+        values[rows] = q[:, :k].astype(np.int8)
     values = from_reduction_matrix(values, weight.shape, slot)
-    if slot.axis is None:
-        return WeightParams(values, np.asarray(scales[0], np.float32), None)
-    return WeightParams(np.ascontiguousarray(values), scales, slot.axis)
+    return WeightParams(values, np.asarray(best, np.float32), None)
 
 
 def _channel_shape(weight: np.ndarray, axis: int) -> list[int]:
