@@ -913,8 +913,8 @@ def _read_mixed_precision(
             reader.choice(name, f"{key}[{index}]", PRECISIONS)
             if name in candidates[:index]:
                 raise reader.fail(f"{key}[{index}]", f"{name!r} is listed twice")
-        if not candidates:
-            raise reader.fail(key, f"must name one or more of {', '.join(PRECISIONS)}")
+        if not set(candidates) - {"float"}:
+            raise reader.fail(key, "needs int4 or int8 (float alone leaves nothing to choose)")
         if "int4" in candidates and quantization.target == "tensorrt":
             raise reader.fail(
                 key, "int4 is not a candidate for target tensorrt (qtool writes int8 for it)"
