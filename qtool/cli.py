@@ -271,6 +271,8 @@ def quantize(
 
         console.print(summary_table(mixed))
         console.print(f"plan   -> {mixed['files']['plan']}", highlight=False)
+        for note in mixed["notes"]:
+            console.print(f"note: {note}", highlight=False, markup=False)
         if not mixed["passed"]:
             errors.print(f"[bold red]FAIL:[/] {escape(mixed['reason'])}", highlight=False)
             raise typer.Exit(code=1)

@@ -64,6 +64,8 @@ class MixedOutcome:
     files: dict[Path, bytes]
     block: dict
     notes: list[str] = field(default_factory=list)
+    # The models the block measured (float, int8, int4, chosen), with keep_models only.
+    models: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,9 +227,11 @@ def search_stage(
     stats_path: Path | None,
     progress: bool = True,
     console: Console | None = None,
+    keep_models: bool = False,
 ) -> tuple[Recipe, PreparedModel, Path, MixedOutcome]:
     """Choose the per-node precisions; return the recipe and prepared model with the chosen
-    plan (as overrides), the stats file to quantize with, and the outcome to report."""
+    plan (as overrides), the stats file to quantize with, and the outcome to report.
+    `keep_models`: keep the measured models in the outcome (benchmarks time them)."""
     console = console or Console()
     spec = recipe.mixed_precision or MixedPrecisionSpec()
     if recipe.evaluation is None:
@@ -261,6 +265,12 @@ def search_stage(
         prepared=prepared,
     )
     notes.extend(analysis.notes)
+    algorithms = [name for name, _ in recipe.quantization.algorithms]
+    if algorithms:
+        notes.append(
+            f"quantization.algorithms ({', '.join(algorithms)}) run on the chosen plan after the "
+            "search: the predicted and measured numbers are for the plan without them"
+        )
     stats_path = stats_path or recipe.stats_path
     assembler = _assembler(recipe, prepared, stats_path)
     with phase("pricing each node's precisions"):
@@ -339,7 +349,13 @@ def search_stage(
         {"plan": str(plan_path), "model": str(model_path)},
         notes,
     )
-    outcome = MixedOutcome(result.passed, model_path, {plan_path: text.encode()}, block, notes)
+    models = {}
+    if keep_models:
+        models = {"float": prepared.serialized, "chosen": model_bytes}
+        models.update({p: reference for p, (reference, _) in problem.references.items()})
+    outcome = MixedOutcome(
+        result.passed, model_path, {plan_path: text.encode()}, block, notes, models
+    )
     return chosen_recipe, chosen_prepared, stats_path, outcome
 
 
