@@ -286,7 +286,14 @@ def search_stage(
     built: dict[tuple, bytes] = {}
 
     def measure(plan: Mapping[str, str]) -> Measured:
-        model = assembler.build(assembler.layout(_pins(plan))).SerializeToString()
+        layout = assembler.layout(_pins(plan))
+        problem = assembler.missing(layout)
+        if problem is not None:
+            raise CalibrationError(
+                f"{stats_path}: cannot build a mixed plan: {problem} (the statistics the "
+                "analysis calibrated do not cover this combination of precisions)"
+            )
+        model = assembler.build(layout).SerializeToString()
         built[tuple(sorted(plan.items()))] = model
         score = scorer.score(model)
         return Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
