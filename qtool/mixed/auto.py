@@ -283,7 +283,7 @@ def search_stage(
         highlight=False,
         markup=False,
     )
-    built: dict[tuple, bytes] = {}
+    built: dict[tuple, tuple[tuple[float, int], bytes]] = {}
 
     def measure(plan: Mapping[str, str]) -> Measured:
         layout = assembler.layout(_pins(plan))
@@ -294,9 +294,16 @@ def search_stage(
                 "analysis calibrated do not cover this combination of precisions)"
             )
         model = assembler.build(layout).SerializeToString()
-        built[tuple(sorted(plan.items()))] = model
         score = scorer.score(model)
-        return Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
+        measured = Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
+        # Kept: this plan (it may pass) and the best so far (the failed plan, if none passes).
+        key = tuple(sorted(plan.items()))
+        best = min(built.items(), key=lambda kv: kv[1][0], default=None)
+        built.clear()
+        if best is not None:
+            built[best[0]] = best[1]
+        built[key] = ((measured.penalty, measured.size), model)
+        return measured
 
     with phase("verifying mixed-precision plans"):
         result = verify_and_promote(
@@ -314,7 +321,7 @@ def search_stage(
             ),
         )
     chosen = result.chosen
-    model_bytes = built[tuple(sorted(chosen.precisions.items()))]
+    model_bytes = built[tuple(sorted(chosen.precisions.items()))][1]
     references = {}
     for precision, (reference, _) in problem.references.items():
         score = scorer.score(reference)
