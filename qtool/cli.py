@@ -452,7 +452,21 @@ def _recipe_evaluation(recipe: Path, output_dir: Path | None):
         raise RecipeError(f"{recipe}: evaluation: is required for `qtool evaluate RECIPE`")
     spec = loaded.evaluation
     batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
-    return loaded.float_model_path, loaded.quant_model_path, batches, spec
+    return loaded.float_model_path, _quantized_path(loaded), batches, spec
+
+
+def _quantized_path(recipe) -> Path:
+    """The recipe's quantized model; after `quantize --auto`, the one report.json names (the
+    chosen plan decides int4 or int8, or model.failed.onnx), in the recipe's output folder."""
+    if recipe.report_path.is_file():
+        try:
+            report = json.loads(recipe.report_path.read_text())
+        except (OSError, ValueError):
+            return recipe.quant_model_path
+        written = report.get("files", {}).get("quantized_model")
+        if "mixed_precision" in report and isinstance(written, str):
+            return recipe.output_dir / Path(written).name
+    return recipe.quant_model_path
 
 
 def _npz_batches(model_path: Path, data: Path, batch_size: int):

@@ -165,6 +165,14 @@ def test_plan_yaml_as_overrides_reproduces_the_model(folder, promoted, cli):
     )
 
 
+def test_evaluate_finds_the_model_the_search_wrote(folder, promoted, cli):
+    recipe = promoted[0]
+    limit = _block(folder / "out-promote")["budget"]["limit"]
+    result = cli("evaluate", recipe, "--min-sqnr", limit, "--no-progress", "--latency-runs", 1)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+
+
 def test_rerun_measures_nothing_new_and_writes_the_same_bytes(folder, promoted, cli):
     out = folder / "out-promote"
     before = {p: (out / p).read_bytes() for p in ("plan.yaml", "model.int4.onnx")}
