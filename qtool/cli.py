@@ -222,6 +222,15 @@ def quantize(
     ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
+    auto: Annotated[
+        bool,
+        typer.Option(
+            "--auto",
+            help="Choose each node's precision: the smallest model within the budget "
+            "(the recipe's mixed_precision: section, else its evaluation gate); exit 1 when "
+            "no plan meets it.",
+        ),
+    ] = False,
 ) -> None:
     """Compute ranges, write the QDQ model and report.json; calibrates first without --stats."""
     from qtool.pipeline import quantize as run_quantize
@@ -229,7 +238,7 @@ def quantize(
 
     loaded = load_recipe(recipe, output_dir)
     with _phase_display(progress):
-        result = run_quantize(loaded, stats, progress=progress)
+        result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "
@@ -256,6 +265,17 @@ def quantize(
     for warning in result.warnings:
         errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
+    mixed = result.report.get("mixed_precision")
+    if mixed is not None:
+        from qtool.mixed.report import summary_table
+
+        console.print(summary_table(mixed))
+        console.print(f"plan   -> {mixed['files']['plan']}", highlight=False)
+        for note in mixed["notes"]:
+            console.print(f"note: {note}", highlight=False, markup=False)
+        if not mixed["passed"]:
+            errors.print(f"[bold red]FAIL:[/] {escape(mixed['reason'])}", highlight=False)
+            raise typer.Exit(code=1)
 
 
 @app.command(cls=_Command)
@@ -432,7 +452,21 @@ def _recipe_evaluation(recipe: Path, output_dir: Path | None):
         raise RecipeError(f"{recipe}: evaluation: is required for `qtool evaluate RECIPE`")
     spec = loaded.evaluation
     batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
-    return loaded.float_model_path, loaded.quant_model_path, batches, spec
+    return loaded.float_model_path, _quantized_path(loaded), batches, spec
+
+
+def _quantized_path(recipe) -> Path:
+    """The recipe's quantized model; after `quantize --auto`, the one report.json names (the
+    chosen plan decides int4 or int8, or model.failed.onnx), in the recipe's output folder."""
+    if recipe.report_path.is_file():
+        try:
+            report = json.loads(recipe.report_path.read_text())
+        except (OSError, ValueError):
+            return recipe.quant_model_path
+        written = report.get("files", {}).get("quantized_model")
+        if "mixed_precision" in report and isinstance(written, str):
+            return recipe.output_dir / Path(written).name
+    return recipe.quant_model_path
 
 
 def _npz_batches(model_path: Path, data: Path, batch_size: int):

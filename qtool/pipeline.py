@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -49,6 +50,9 @@ from qtool.recipe import Recipe
 from qtool.report import build_report, report_bytes
 from qtool.runtime.cpu import resolve_cpu
 from qtool.verify import verify
+
+if TYPE_CHECKING:
+    from qtool.mixed.auto import MixedOutcome
 
 
 @dataclass
@@ -269,20 +273,35 @@ def _statistics(
 
 
 def quantize(
-    recipe: Recipe, stats_path: Path | None = None, progress: bool = True
+    recipe: Recipe, stats_path: Path | None = None, progress: bool = True, auto: bool = False
 ) -> QuantizeResult:
-    """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
+    """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model.
+
+    `auto` (or a `mixed_precision:` section) runs the mixed-precision stage first: it chooses
+    every node's precision and hands on the recipe with that plan as overrides."""
     distributed.require_single_process("qtool quantize")
     prepared = prepare(recipe)
     try:
-        return _quantize(recipe, prepared, stats_path, progress)
+        mixed = None
+        if auto or recipe.mixed_precision is not None:
+            from qtool.mixed.auto import search_stage  # it imports this module's stages
+
+            recipe, prepared, stats_path, mixed = search_stage(
+                recipe, prepared, stats_path, progress
+            )
+        return _quantize(recipe, prepared, stats_path, progress, mixed)
     finally:
         prepared.discard()  # staged files: renamed into place by the commit, or removed here
 
 
 def _quantize(
-    recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
+    recipe: Recipe,
+    prepared: PreparedModel,
+    stats_path: Path | None,
+    progress: bool,
+    mixed: MixedOutcome | None = None,
 ) -> QuantizeResult:
+    model_path = recipe.quant_model_path if mixed is None else mixed.model_path
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
     stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
@@ -340,18 +359,18 @@ def _quantize(
         # from the file instead of each copying the serialized model.
         if prepared.staged is not None or external_data.needs_external_data(quantized):
             with phase("writing the quantized model (external data)"):
-                staged = external_data.stage_model(quantized, recipe.quant_model_path)
+                staged = external_data.stage_model(quantized, model_path)
             del quantized
             source, quant_files = staged.session_path, staged.files()
         else:
             source = quantized.SerializeToString()
-            quant_files = {recipe.quant_model_path: source}
+            quant_files = {model_path: source}
         try:
             create_session(source)
         except QtoolError as exc:
             message = str(exc)
             if isinstance(source, Path):  # name the output, not its temporary file
-                message = message.replace(str(source), str(recipe.quant_model_path))
+                message = message.replace(str(source), str(model_path))
             raise ModelError(
                 f"the quantized model does not load in ONNX Runtime: {message}"
             ) from None
@@ -369,7 +388,7 @@ def _quantize(
             )
         files = {
             "float_model": str(recipe.float_model_path),
-            "quantized_model": str(recipe.quant_model_path),
+            "quantized_model": str(model_path),
             "stats": str(stats_path),
         }
         if staged is not None:  # ship both files: the .onnx alone has no weights
@@ -385,20 +404,21 @@ def _quantize(
             "accuracy_level": nbits,
             "why": nbits_reason,
         }
+        if mixed is not None:
+            report["mixed_precision"] = mixed.block
         commit_files(
             {
                 **calibration.files,
                 **quant_files,
                 **prepared.float_files(recipe.float_model_path),
                 recipe.report_path: report_bytes(report),
+                **(mixed.files if mixed is not None else {}),
             }
         )
     finally:
         if staged is not None:
             staged.discard()
-    return QuantizeResult(
-        recipe.quant_model_path, recipe.report_path, report, verification.warnings
-    )
+    return QuantizeResult(model_path, recipe.report_path, report, verification.warnings)
 
 
 def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:

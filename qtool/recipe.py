@@ -258,6 +258,36 @@ class EvaluationSpec:
     accuracy_level: int | None = None
 
 
+# mixed_precision: what the search minimises, and the precisions it may give a node.
+MIXED_OBJECTIVES = ("size", "latency")
+MIXED_METRICS = ("accuracy", "agreement", "cosine", "sqnr")
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """The metric drop a mixed-precision plan may cost: exactly one limit is set, read as the
+    evaluation gate of the same name reads it (max_drop in points of accuracy or agreement)."""
+
+    metric: str | None = None  # None: accuracy with labels, else agreement (max_drop only)
+    max_drop: float | None = None
+    min_cosine: float | None = None
+    min_sqnr: float | None = None
+
+
+@dataclass(frozen=True)
+class MixedPrecisionSpec:
+    """`mixed_precision:` (qtool/mixed/): minimise `objective` within `budget`.
+
+    None fields come from elsewhere: `budget` from the evaluation gates, `candidates` from the
+    target (qtool/mixed/candidates.py)."""
+
+    objective: str = "size"
+    budget: BudgetSpec | None = None
+    candidates: tuple[str, ...] | None = None
+    max_iterations: int = 8
+    samples: int = 128  # evaluation samples the sensitivity analysis scores on
+
+
 def gate_problem(key: str, value: float) -> str | None:
     """Why a gate value is unusable, or None; shared by the recipe and the CLI so that
     `evaluation.max_drop: -1` and `--max-drop -1` are refused with the same words.
@@ -283,6 +313,7 @@ class Recipe:
     evaluation: EvaluationSpec | None = None
     output_dir: Path = Path("out")
     seed: int = 0
+    mixed_precision: MixedPrecisionSpec | None = None
 
     @property
     def float_model_path(self) -> Path:
@@ -425,7 +456,16 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     top = reader.mapping(
         raw,
         "",
-        {"seed", "model", "inputs", "calibration", "quantization", "evaluation", "output"},
+        {
+            "seed",
+            "model",
+            "inputs",
+            "calibration",
+            "quantization",
+            "evaluation",
+            "output",
+            "mixed_precision",
+        },
         {"model", "inputs", "calibration"},
     )
     model = _read_model(reader, top["model"])
@@ -440,7 +480,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     else:
         out_path = reader.base / reader.string(out.get("dir", "out"), "output.dir")
     seed = reader.integer(top.get("seed", 0), "seed", minimum=0)
-    return Recipe(recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed)
+    mixed = None
+    if "mixed_precision" in top:
+        mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
+    return Recipe(
+        recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed, mixed
+    )
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -861,3 +906,78 @@ def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
         accuracy_level=accuracy_level,
         **gates,
     )
+
+
+def _read_mixed_precision(
+    reader: _Reader,
+    raw: Any,
+    quantization: QuantizationSpec,
+    evaluation: EvaluationSpec | None,
+) -> MixedPrecisionSpec:
+    where = "mixed_precision"
+    raw = {} if raw is None else raw
+    reader.mapping(raw, where, {"objective", "budget", "candidates", "max_iterations", "samples"})
+    if evaluation is None:
+        raise reader.fail(where, "needs an evaluation: section (plans are verified on its data)")
+    objective = reader.choice(raw.get("objective", "size"), f"{where}.objective", MIXED_OBJECTIVES)
+    if objective == "latency":
+        raise reader.fail(
+            f"{where}.objective",
+            "latency is not implemented in this version of qtool yet (per-node times from ONNX "
+            "Runtime's profiler are not mapped to plan nodes yet); use size",
+        )
+    budget = None
+    if "budget" in raw:
+        budget = _read_budget(reader, raw["budget"], f"{where}.budget")
+    elif all(getattr(evaluation, k) is None for k in ("max_drop", "min_cosine", "min_sqnr")):
+        raise reader.fail(
+            f"{where}.budget",
+            "is required when evaluation: sets no gate (max_drop, min_cosine or min_sqnr)",
+        )
+    candidates = None
+    if "candidates" in raw:
+        key = f"{where}.candidates"
+        candidates = reader.string_list(raw["candidates"], key)
+        for index, name in enumerate(candidates):
+            reader.choice(name, f"{key}[{index}]", PRECISIONS)
+            if name in candidates[:index]:
+                raise reader.fail(f"{key}[{index}]", f"{name!r} is listed twice")
+        if not set(candidates) - {"float"}:
+            raise reader.fail(key, "needs int4 or int8 (float alone leaves nothing to choose)")
+        if "int4" in candidates and quantization.target == "tensorrt":
+            raise reader.fail(
+                key, "int4 is not a candidate for target tensorrt (qtool writes int8 for it)"
+            )
+        candidates = tuple(p for p in PRECISIONS if p in candidates)
+    return MixedPrecisionSpec(
+        objective=objective,
+        budget=budget,
+        candidates=candidates,
+        max_iterations=reader.integer(
+            raw.get("max_iterations", 8), f"{where}.max_iterations", minimum=1, maximum=10_000
+        ),
+        samples=reader.integer(raw.get("samples", 128), f"{where}.samples", minimum=1),
+    )
+
+
+def _read_budget(reader: _Reader, raw: Any, where: str) -> BudgetSpec:
+    """Exactly one limit; `metric` only says what max_drop counts, or repeats what a floor is."""
+    reader.mapping(raw, where, {"metric", "max_drop", "min_cosine", "min_sqnr"})
+    limits = [key for key in ("max_drop", "min_cosine", "min_sqnr") if key in raw]
+    if len(limits) != 1:
+        raise reader.fail(where, "give exactly one of max_drop, min_cosine or min_sqnr")
+    key = limits[0]
+    value = reader.number(raw[key], f"{where}.{key}")
+    problem = gate_problem(key, value)
+    if problem is not None:
+        raise reader.fail(f"{where}.{key}", problem)
+    metric = raw.get("metric")
+    if metric is not None:
+        metric = reader.choice(metric, f"{where}.metric", MIXED_METRICS)
+        allowed = {"max_drop": GATE_METRICS, "min_cosine": ("cosine",), "min_sqnr": ("sqnr",)}
+        if metric not in allowed[key]:
+            raise reader.fail(
+                f"{where}.metric",
+                f"{metric!r} does not go with {key} (which counts {', '.join(allowed[key])})",
+            )
+    return BudgetSpec(metric=metric, **{key: value})
