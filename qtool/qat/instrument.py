@@ -1,0 +1,71 @@
+"""Put the fake quantizers into the torch module: weight parametrizations and activation hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from qtool.qat.fake_quant import ActivationQuantizer, StoredWeightQuantizer
+from qtool.qat.mapping import Site
+from qtool.quantize.params import ActivationParams
+
+
+def _key(tensor: str) -> str:
+    """A ModuleDict key for a tensor name (no dots)."""
+    return tensor.replace(".", "_")
+
+
+class FakeQuantModel(nn.Module):
+    """The float module with fake quantization where the QDQ layout quantizes.
+
+    `net` keeps its own parameter names (a parametrized weight lives under
+    `<module>.parametrizations.weight.original`, see `float_state`).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        sites: list[Site],
+        activations: dict[str, ActivationParams],
+        weight_stores: dict[str, tuple[Callable, bool]],
+        learn_scales: bool,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.quantizers = nn.ModuleDict()
+        self.sites = sites
+        for name, (store, transposed) in sorted(weight_stores.items()):
+            owner, _, attr = name.rpartition(".")
+            parametrize.register_parametrization(
+                net.get_submodule(owner), attr, StoredWeightQuantizer(store, transposed)
+            )
+        self._inputs: dict[int, ActivationQuantizer] = {}
+        for site in sites:
+            quantizer = ActivationQuantizer(activations[site.tensor], learn_scales)
+            self.quantizers[_key(site.tensor)] = quantizer
+            if site.module is None:
+                self._inputs[site.index] = quantizer
+            else:
+                net.get_submodule(site.module).register_forward_hook(
+                    lambda _m, _i, out, q=quantizer: q(out)
+                )
+
+    def forward(self, *inputs: torch.Tensor):
+        inputs = tuple(self._inputs[i](x) if i in self._inputs else x for i, x in enumerate(inputs))
+        return self.net(*inputs)
+
+    def activation_params(self) -> dict[str, ActivationParams]:
+        return {site.tensor: self.quantizers[_key(site.tensor)].params() for site in self.sites}
+
+    def float_state(self) -> dict[str, np.ndarray]:
+        """The trained float parameters under the names the exporter gave the initializers."""
+        state = {}
+        for name, value in self.net.named_parameters():
+            state[name.replace("parametrizations.", "").removesuffix(".original")] = (
+                value.detach().cpu().numpy().copy()
+            )
+        return state
