@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +201,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
     identity = {
         "float_model_sha256": prepared.fingerprint,
         "calibration_data_sha256": calibration.data_sha256 or "none",
-        "qat": repr(qat),
+        "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
         "seed": seed,
     }
     started = time.perf_counter()
