@@ -23,7 +23,12 @@ from torch import nn
 from qtool.errors import ModelError, RecipeError
 from qtool.plan import WeightPlan
 from qtool.qat.command import run_qat
-from qtool.qat.fake_quant import ActivationQuantizer, StoredWeightQuantizer, dequantized_weight
+from qtool.qat.fake_quant import (
+    ActivationQuantizer,
+    LearnedWeightQuantizer,
+    StoredWeightQuantizer,
+    dequantized_weight,
+)
 from qtool.qat.fold import fold_batchnorm
 from qtool.quantize.int4 import dequantize
 from qtool.quantize.layout import WeightSlot
@@ -219,6 +224,23 @@ def test_weight_fake_quant_is_the_writers_int4_weight_with_a_straight_through_gr
     )
 
 
+def test_learned_weight_scales_start_at_the_writers_weight_and_export_what_they_compute():
+    rng = np.random.default_rng(2)
+    weight = rng.normal(size=(6, 40)).astype(np.float32)  # K = 40: a short last block
+    slot = WeightSlot("w", 0, "k-rows", block_size=16, transposed=True)
+    plan = WeightPlan("w", 4, "block", 0, "u4", "", block_size=16, symmetric=False)
+    initial = quantize_low_bit(weight, slot, plan)
+    quantizer = LearnedWeightQuantizer(initial, transposed=True)
+    w = torch.from_numpy(weight.copy()).requires_grad_(True)
+    np.testing.assert_allclose(quantizer(w).detach().numpy(), dequantize(initial).T, atol=1e-6)
+    quantizer(w).square().sum().backward()
+    assert quantizer.scale.grad is not None and quantizer.scale.grad.abs().sum() > 0
+    with torch.no_grad():
+        quantizer.scale.mul_(1.1)
+    stored = quantizer.stored_form(w.detach())
+    np.testing.assert_allclose(dequantize(stored).T, quantizer(w).detach().numpy(), atol=1e-6)
+
+
 # --- BatchNorm folding and mapping ------------------------------------------------------------
 
 
@@ -353,5 +375,7 @@ def test_distillation_with_learned_scales_and_int4_blocked_weights(tmp_path):
     same = block["equivalence"]
     assert same["max_abs_diff_fused"] <= same["output_step"]
     assert same["max_abs_diff_unfused"] <= same["output_step"]
+    assert block["learned_weight_scales"] == ["conv1.weight", "fc1.weight", "fc2.weight"]
     nodes = {n["name"]: n for n in result.report["nodes"]}
+    assert "scales learned by QAT" in nodes["/fc1/Gemm"]["weight"]["reason"]
     assert nodes["/fc1/Gemm"]["weight"]["block_size"] == 16

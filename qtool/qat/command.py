@@ -164,8 +164,18 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         sites = activation_sites(model, layout, names)
         map_weights(model, layout, net)
         check_sites(net, model, sites, _verify_feeds(recipe)[0])
+    # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
+    # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
+    learned = frozenset()
+    if qat.learn_scales:
+        learned = frozenset(layout.weights) - _integer_kernel_weights(layout)
     fake = FakeQuantModel(
-        net, sites, calibrated, _weight_stores(prepared, recipe, cpu, device), qat.learn_scales
+        net,
+        sites,
+        calibrated,
+        _weight_stores(prepared, recipe, cpu, device),
+        qat.learn_scales,
+        learned,
     )
 
     train_spec = qat.data or recipe.calibration.data
@@ -226,6 +236,10 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         trained_model = export.with_trained_weights(model, fake.float_state())
         activations = fake.activation_params()
         weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
+        weights.update(fake.learned_weights())
+        plans = layout.plan.weight_plans()
+        for name in learned:
+            plans[name].reason += " (scales learned by QAT, LSQ)"
         biases = bias_parameters(trained_model, layout, activations, weights)
         nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
         quantized = write_qdq_model(
@@ -296,6 +310,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         "seed": seed,
         "training_samples": len(data),
         "learn_scales": qat.learn_scales,
+        "learned_weight_scales": sorted(learned),
         "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
         "fake_quant_tensors": len(sites),
         "fake_quant_weights": len(layout.weights),

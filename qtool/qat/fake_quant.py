@@ -105,3 +105,61 @@ class StoredWeightQuantizer(nn.Module):
         params = self.store(weight.detach().cpu().numpy())
         stored = torch.from_numpy(dequantized_weight(params, self.transposed)).to(weight.device)
         return weight + (stored - weight).detach()
+
+
+def _expand(values: torch.Tensor, axis: int, block_size: int | None, shape) -> torch.Tensor:
+    """Per-channel or per-block parameters broadcast to the stored weight's shape."""
+    if values.ndim == 0:
+        return values
+    if block_size is None:
+        view = [1] * len(shape)
+        view[axis] = -1
+        return values.reshape(view)
+    return values.repeat_interleave(block_size, dim=axis).narrow(axis, 0, shape[axis])
+
+
+class LearnedWeightQuantizer(nn.Module):
+    """A parametrization with LSQ-learned scales for a weight no integer kernel multiplies
+    (4-bit, blocked, weight-only): initialised from the writer's scales, exported as the
+    BlockwiseWeight it computes (`stored_form`), so the file holds what trained."""
+
+    def __init__(self, initial: BlockwiseWeight, transposed: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.from_numpy(np.array(initial.scale, np.float32)))
+        zero = np.zeros_like(initial.scale) if initial.zero_point is None else initial.zero_point
+        self.register_buffer("zero_point", torch.from_numpy(np.array(zero, np.float32)))
+        self.symmetric = initial.zero_point is None
+        self.bits, self.axis, self.block_size = initial.bits, initial.axis, initial.block_size
+        if self.symmetric:
+            self.qmin, self.qmax = -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+        else:
+            self.qmin, self.qmax = 0, (1 << self.bits) - 1
+        per_scale = initial.values.size / max(initial.scale.size, 1)
+        self.gradient_scale = 1.0 / math.sqrt(per_scale * self.qmax)
+        self.transposed = transposed
+
+    def _codes(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stored = weight.t() if self.transposed else weight
+        scale = scale_gradient(self.scale, self.gradient_scale)
+        tiny = scale.abs() < _MIN_SCALE
+        scale = torch.where(tiny, torch.full_like(scale, _MIN_SCALE), scale)
+        scale = _expand(scale, self.axis, self.block_size, stored.shape)
+        zero = _expand(self.zero_point, self.axis, self.block_size, stored.shape)
+        codes = torch.clamp(round_ste(stored / scale) + zero, self.qmin, self.qmax)
+        return codes, scale, zero
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        codes, scale, zero = self._codes(weight)
+        dequantized = (codes - zero) * scale
+        return dequantized.t() if self.transposed else dequantized
+
+    def stored_form(self, weight: torch.Tensor) -> BlockwiseWeight:
+        with torch.no_grad():
+            codes = self._codes(weight)[0].numpy()
+        scale = self.scale.detach().numpy().astype(np.float32)
+        scale = np.where(np.abs(scale) < _MIN_SCALE, np.float32(_MIN_SCALE), scale)
+        zero = None if self.symmetric else self.zero_point.numpy().astype(np.uint8)
+        dtype = np.int8 if self.symmetric else np.uint8
+        return BlockwiseWeight(
+            codes.astype(dtype), scale, zero, self.bits, self.axis, self.block_size
+        )
