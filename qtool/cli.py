@@ -280,6 +280,51 @@ def quantize(
 
 @app.command(cls=_Command)
 @user_errors
+def qat(
+    recipe: RecipeArg,
+    output_dir: OutputOpt = None,
+    progress: ProgressOpt = True,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the last epoch checkpoint.")
+    ] = False,
+) -> None:
+    """Quantization-aware training of a PyTorch model on the PTQ plan; writes the QDQ model."""
+    from qtool.qat.command import run_qat
+    from qtool.recipe import load_recipe
+
+    loaded = load_recipe(recipe, output_dir)
+    with _phase_display(progress):
+        result = run_qat(loaded, resume=resume, progress=progress)
+    block = result.report["qat"]
+    accuracy = block["accuracy"]
+    if accuracy:
+        console.print(
+            f"accuracy: FP32 {accuracy['fp32']:.2f}%, fake-quant before training "
+            f"{accuracy['fake_quant_before']:.2f}%, after {accuracy['fake_quant_after']:.2f}%, "
+            f"exported (ORT fused) {accuracy['exported_fused']:.2f}%",
+            highlight=False,
+        )
+    same = block["equivalence"]
+    console.print(
+        f"trained {block['epochs']} epochs ({block['loss']}, final loss {block['final_loss']:.5f}) "
+        f"in {block['train_seconds']:.1f} s; ORT vs fake-quant max |diff| "
+        f"{same['max_abs_diff_fused']:.3g} fused, {same['max_abs_diff_unfused']:.3g} unfused "
+        f"(one output step {same['output_step']:.3g})",
+        highlight=False,
+    )
+    runtime = result.report["runtime"]
+    console.print(
+        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
+        "nodes",
+        highlight=False,
+    )
+    for warning in result.warnings:
+        errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+    console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
+
+
+@app.command(cls=_Command)
+@user_errors
 def evaluate(
     recipe: Annotated[
         Path | None, typer.Argument(help="Recipe YAML (uses its output and evaluation data).")

@@ -172,6 +172,11 @@ def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Model
 
 
 def _export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    return export_module(build_pytorch_module(spec), spec, inputs)
+
+
+def build_pytorch_module(spec: ModelSpec):
+    """The recipe's nn.Module from its factory, with its weights file loaded (QAT trains it)."""
     import torch
 
     factory = load_entry_point(spec.pytorch, "model factory")
@@ -183,6 +188,13 @@ def _export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.Mode
         raise ModelError(f"{spec.pytorch}: factory returned {type(module).__name__}, not nn.Module")
     if spec.weights is not None:
         load_weights(module, spec.weights)
+    return module
+
+
+def export_module(module, spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    """Export `module` (eval mode) to ONNX in memory, the way every PyTorch source is exported."""
+    import torch
+
     module.eval()
     examples = tuple(torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs)
     names = [i.name for i in inputs]

@@ -303,6 +303,29 @@ def gate_problem(key: str, value: float) -> str | None:
     return None
 
 
+QAT_OPTIMIZERS = ("sgd", "adam")
+QAT_LOSSES = ("cross_entropy", "mse")
+
+
+@dataclass(frozen=True)
+class QatSpec:
+    """The `qat:` section: how `qtool qat` trains the fake-quantized model.
+
+    `data` None: the calibration data. `loss` None (or data without labels): distillation, MSE
+    between the fake-quant student's outputs and the FP32 teacher's. `loss` is cross_entropy,
+    mse, or a resolved "file.py:function" taking (outputs, targets) and returning a scalar.
+    """
+
+    epochs: int = 3
+    lr: float = 1e-4
+    optimizer: str = "adam"
+    batch_size: int = 32
+    seed: int | None = None  # None: the recipe's seed
+    data: DataSpec | None = None
+    loss: str | None = None
+    learn_scales: bool = False
+
+
 @dataclass(frozen=True)
 class Recipe:
     path: Path
@@ -314,6 +337,7 @@ class Recipe:
     output_dir: Path = Path("out")
     seed: int = 0
     mixed_precision: MixedPrecisionSpec | None = None
+    qat: QatSpec | None = None
 
     @property
     def float_model_path(self) -> Path:
@@ -465,6 +489,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
             "evaluation",
             "output",
             "mixed_precision",
+            "qat",
         },
         {"model", "inputs", "calibration"},
     )
@@ -483,8 +508,18 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     mixed = None
     if "mixed_precision" in top:
         mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
+    qat = _read_qat(reader, top["qat"]) if "qat" in top else None
     return Recipe(
-        recipe_path, model, inputs, calibration, quantization, evaluation, out_path, seed, mixed
+        recipe_path,
+        model,
+        inputs,
+        calibration,
+        quantization,
+        evaluation,
+        out_path,
+        seed,
+        mixed,
+        qat,
     )
 
 
@@ -981,3 +1016,34 @@ def _read_budget(reader: _Reader, raw: Any, where: str) -> BudgetSpec:
                 f"{metric!r} does not go with {key} (which counts {', '.join(allowed[key])})",
             )
     return BudgetSpec(metric=metric, **{key: value})
+
+
+def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
+    keys = {"epochs", "lr", "optimizer", "batch_size", "seed", "data", "loss", "learn_scales"}
+    reader.mapping(raw if raw is not None else {}, "qat", keys)
+    raw = raw or {}
+    lr = reader.number(raw.get("lr", 1e-4), "qat.lr")
+    if not math.isfinite(lr) or lr <= 0:
+        raise reader.fail("qat.lr", f"must be a finite number > 0, got {lr}")
+    loss = raw.get("loss")
+    if loss is not None:
+        text = reader.string(loss, "qat.loss")
+        loss = text if text in QAT_LOSSES else None
+        if loss is None:
+            if ":" not in text:
+                raise reader.fail(
+                    "qat.loss",
+                    f"must be one of {', '.join(QAT_LOSSES)} or 'file.py:function', got {text!r}",
+                )
+            loss = reader.entry_point(text, "qat.loss")
+    seed = raw.get("seed")
+    return QatSpec(
+        epochs=reader.integer(raw.get("epochs", 3), "qat.epochs", minimum=1),
+        lr=lr,
+        optimizer=reader.choice(raw.get("optimizer", "adam"), "qat.optimizer", QAT_OPTIMIZERS),
+        batch_size=reader.integer(raw.get("batch_size", 32), "qat.batch_size", minimum=1),
+        seed=None if seed is None else reader.integer(seed, "qat.seed", minimum=0),
+        data=_read_data(reader, raw["data"], "qat.data") if "data" in raw else None,
+        loss=loss,
+        learn_scales=reader.boolean(raw.get("learn_scales", False), "qat.learn_scales"),
+    )

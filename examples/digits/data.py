@@ -44,3 +44,11 @@ def evaluation_batches() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     for start in range(0, len(x_test), BATCH_SIZE):
         stop = start + BATCH_SIZE
         yield {"image": x_test[start:stop]}, y_test[start:stop]
+
+
+def training_batches() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Yield the whole training split with labels (for `qtool qat`; never an evaluation image)."""
+    x_train, _, y_train, _ = load_split()
+    for start in range(0, len(x_train), BATCH_SIZE):
+        stop = start + BATCH_SIZE
+        yield {"image": x_train[start:stop]}, y_train[start:stop]

@@ -1,0 +1,331 @@
+"""`qtool qat RECIPE`: the PTQ plan and ranges, trained with fake quantization, written by the
+PTQ writer and verified as PTQ models are.
+
+Stages: build the torch module and fold its BatchNorms -> export and prepare exactly as
+`qtool quantize` does (same plan, same calibration, same ranges) -> map the Layout back to the
+module and prove the mapping -> fake-quantize and train -> trained weights into the prepared
+model, learned (or calibrated) scales into the writer's parameters -> write_qdq_model ->
+verify (what ORT fuses) -> equivalence of ORT and the fake-quant module on real data -> report.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qtool import __version__, distributed, kernels, provenance
+from qtool.data import iter_batches
+from qtool.errors import ModelError, RecipeError
+from qtool.io import commit_files
+from qtool.models import build_pytorch_module, check_inputs, export_module, fit_ir_version
+from qtool.ort_session import create_session
+from qtool.phases import phase
+from qtool.pipeline import PreparedModel, _run_calibration, _source_sha256, _verify_feeds
+from qtool.qat import export
+from qtool.qat.fold import fold_batchnorm
+from qtool.qat.instrument import FakeQuantModel
+from qtool.qat.mapping import activation_sites, check_sites
+from qtool.qat.mapping import weight_parameters as map_weights
+from qtool.qat.train import TrainingSet, deterministic, make_loss, train
+from qtool.quantize.assemble import (
+    _integer_kernel_weights,
+    activation_parameters,
+    bias_parameters,
+    weight_parameters,
+)
+from qtool.quantize.layout import plan_layout
+from qtool.quantize.low_bit import quantize_low_bit
+from qtool.quantize.matmul_nbits import nbits_level
+from qtool.quantize.opset21 import TARGET_OPSET
+from qtool.quantize.prepare import prepare_model, tensor_types
+from qtool.quantize.qdq import write_qdq_model
+from qtool.quantize.weight_format import choose_weight
+from qtool.recipe import QatSpec, Recipe
+from qtool.report import build_report, report_bytes
+from qtool.runtime.cpu import resolve_cpu
+from qtool.verify import verify
+
+_STACK = 256  # samples per chunk when the training / evaluation set is read into memory
+
+
+@dataclass
+class QatResult:
+    model_path: Path
+    report_path: Path
+    report: dict
+    warnings: list[str] = field(default_factory=list)
+
+
+def _check_recipe(recipe: Recipe) -> QatSpec:
+    if recipe.model.pytorch is None:
+        raise RecipeError(
+            f"{recipe.path}: model.onnx: qtool qat trains PyTorch models; give model.pytorch "
+            "(file.py:factory) and model.weights"
+        )
+    if recipe.quantization.algorithms:
+        names = ", ".join(name for name, _ in recipe.quantization.algorithms)
+        raise RecipeError(
+            f"{recipe.path}: quantization.algorithms [{names}]: qtool qat trains the weights "
+            "and biases itself and runs no PTQ algorithm; remove them from the QAT recipe"
+        )
+    return recipe.qat or QatSpec()
+
+
+def _prepare(recipe: Recipe, net) -> PreparedModel:
+    """pipeline.prepare for an already built (BN-folded) module: the same export and stages."""
+    loaded = export_module(net, recipe.model, recipe.inputs)
+    check_inputs(loaded, recipe.inputs, str(recipe.model.pytorch))
+    fit_ir_version(loaded, str(recipe.model.pytorch))
+    min_opset = recipe.model.opset
+    if recipe.quantization.may_need_opset21:
+        min_opset = max(min_opset, TARGET_OPSET)
+    with phase("preparing graph"):
+        model = prepare_model(loaded, min_opset=min_opset, copy=False)
+    float_tensors = {
+        name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
+    }
+    layout = plan_layout(
+        model, recipe.quantization, float_tensors, recipe.calibration.method, str(recipe.path)
+    )
+    if not layout.quantized_nodes():
+        raise ModelError(f"{recipe.path}: no node can be quantized with this recipe")
+    for node in layout.plan:
+        if node.weight is not None and node.weight.method == "gptq":
+            raise RecipeError(
+                f"{recipe.path}: node '{node.name}': weight method gptq: QAT trains the weights; "
+                "use minmax or mse in a QAT recipe"
+            )
+    serialized = model.SerializeToString()
+    fingerprint = hashlib.sha256(serialized).hexdigest()
+    return PreparedModel(
+        onnx.load_from_string(serialized), serialized, fingerprint, layout, _source_sha256(recipe)
+    )
+
+
+def _stack(spec, recipe: Recipe, max_samples: int | None):
+    """All samples of a data source in memory: (inputs by name, labels or None, batches)."""
+    batches = list(iter_batches(spec, recipe.inputs, _STACK, max_samples, recipe.seed))
+    names = [i.name for i in recipe.inputs]
+    inputs = {n: np.concatenate([b.inputs[n] for b in batches]) for n in names}
+    labels = None if batches[0].labels is None else np.concatenate([b.labels for b in batches])
+    return inputs, labels, batches
+
+
+def _weight_stores(prepared: PreparedModel, recipe: Recipe, cpu, device: str) -> dict:
+    """Weight name -> (float weight -> the writer's stored form, transposed?), per weight the
+    same function weight_parameters calls."""
+    layout = prepared.layout
+    integer = _integer_kernel_weights(layout)
+    plans = layout.plan.weight_plans()
+    spec = recipe.quantization
+    stores = {}
+    for name, slot in layout.weights.items():
+        plan = plans[name]
+        if name in integer:
+
+            def store(w, slot=slot, plan=plan):
+                return choose_weight(w, slot, plan, cpu, spec.saturation, device)
+        else:
+
+            def store(w, slot=slot, plan=plan):
+                return quantize_low_bit(w, slot, plan)
+
+        stores[name] = (store, slot.transposed)
+    return stores
+
+
+def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatResult:
+    """Train the recipe's PyTorch model with fake quantization and export it (see top)."""
+    distributed.require_single_process("qtool qat")
+    qat = _check_recipe(recipe)
+    seed = recipe.seed if qat.seed is None else qat.seed
+
+    with phase("building the PyTorch model"):
+        net = build_pytorch_module(recipe.model)
+        folded = fold_batchnorm(net)
+        net.eval()
+        teacher = copy.deepcopy(net)
+    prepared = _prepare(recipe, net)
+    layout, model = prepared.layout, prepared.model
+    calibration = _run_calibration(recipe, prepared, progress)
+    stats = {s.name: s for s in calibration.stats}
+    device = kernels.default_device()
+    cpu = resolve_cpu(recipe.quantization.cpu)
+    symmetric = recipe.quantization.symmetric_activations
+    calibrated = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
+    names = [i.name for i in recipe.inputs]
+    with phase("mapping the plan to the PyTorch modules"):
+        sites = activation_sites(model, layout, names)
+        map_weights(model, layout, net)
+        check_sites(net, model, sites, _verify_feeds(recipe)[0])
+    # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
+    # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
+    learned = frozenset()
+    if qat.learn_scales:
+        learned = frozenset(layout.weights) - _integer_kernel_weights(layout)
+    fake = FakeQuantModel(
+        net,
+        sites,
+        calibrated,
+        _weight_stores(prepared, recipe, cpu, device),
+        qat.learn_scales,
+        learned,
+    )
+
+    train_spec = qat.data or recipe.calibration.data
+    max_samples = None if qat.data is not None else recipe.calibration.max_samples
+    inputs, labels, _ = _stack(train_spec, recipe, max_samples)
+    distill = labels is None or qat.loss is None
+    if distill:
+        size = len(inputs[names[0]])
+        chunks = [{n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)]
+        outs = export.torch_outputs(teacher, chunks, names)
+        targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
+    else:
+        targets = labels
+    data = TrainingSet(inputs, targets, distill)
+    loss_fn, loss_name = make_loss(qat.loss, distill)
+
+    evaluation = recipe.evaluation
+    eval_feeds, eval_labels = None, None
+    if evaluation is not None:
+        batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
+        eval_feeds = [b.inputs for b in batches]
+        if batches[0].labels is not None:
+            eval_labels = [b.labels for b in batches]
+    check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
+
+    accuracy = {}
+    if eval_labels is not None:
+        fp32 = export.torch_outputs(teacher, eval_feeds, names)
+        accuracy["fp32"] = export.accuracy(fp32, eval_labels)
+        accuracy["fake_quant_before"] = export.accuracy(
+            export.torch_outputs(fake, eval_feeds, names), eval_labels
+        )
+    identity = {
+        "float_model_sha256": prepared.fingerprint,
+        "calibration_data_sha256": calibration.data_sha256 or "none",
+        "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
+        "seed": seed,
+    }
+    started = time.perf_counter()
+    with deterministic(seed):
+        history = train(
+            fake,
+            data,
+            loss_fn,
+            epochs=qat.epochs,
+            lr=qat.lr,
+            optimizer_name=qat.optimizer,
+            batch_size=qat.batch_size,
+            seed=seed,
+            output_dir=recipe.output_dir,
+            identity=identity,
+            resume=resume,
+            progress=progress,
+        )
+    train_seconds = time.perf_counter() - started
+
+    with phase("writing the QAT model"):
+        trained_model = export.with_trained_weights(model, fake.float_state())
+        activations = fake.activation_params()
+        weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
+        weights.update(fake.learned_weights())
+        plans = layout.plan.weight_plans()
+        for name in learned:
+            plans[name].reason += " (scales learned by QAT, LSQ)"
+        biases = bias_parameters(trained_model, layout, activations, weights)
+        nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
+        quantized = write_qdq_model(
+            trained_model, layout, activations, weights, biases, recipe.quantization.target, nbits
+        )
+        provenance.stamp(
+            quantized,
+            {
+                provenance.VERSION: __version__,
+                provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
+                provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
+                provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
+                provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
+            },
+        )
+        source = quantized.SerializeToString()
+    try:
+        create_session(source)
+    except Exception as exc:
+        raise ModelError(f"the QAT model does not load in ONNX Runtime: {exc}") from None
+    with phase("verifying what ONNX Runtime runs"):
+        verification = verify(
+            source,
+            layout.plan,
+            _verify_feeds(recipe),
+            cpu,
+            target=recipe.quantization.target,
+            float_model=prepared.serialized,
+        )
+    with phase("checking the export against the fake-quant model"):
+        reference = export.torch_outputs(fake, check_feeds, names)
+        unfused = export.ort_outputs(source, check_feeds, fused=False)
+        fused = export.ort_outputs(source, check_feeds, fused=True)
+    equivalence = {
+        "data": "evaluation" if eval_feeds else "training",
+        "samples": int(sum(len(next(iter(f.values()))) for f in check_feeds)),
+        "output_step": export.output_step(reference),
+        "max_abs_diff_unfused": export.max_difference(reference, unfused),
+        "max_abs_diff_fused": export.max_difference(reference, fused),
+    }
+    if eval_labels is not None:
+        accuracy["fake_quant_after"] = export.accuracy(reference, eval_labels)
+        accuracy["exported_unfused"] = export.accuracy(unfused, eval_labels)
+        accuracy["exported_fused"] = export.accuracy(fused, eval_labels)
+    files = {
+        "float_model": str(recipe.float_model_path),
+        "quantized_model": str(recipe.quant_model_path),
+        "stats": str(recipe.stats_path),
+    }
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    report = build_report(
+        recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
+    )
+    report["int4_matmul"] = {
+        "format": recipe.quantization.resolved_int4_format,
+        "accuracy_level": nbits,
+        "why": nbits_reason,
+    }
+    report["qat"] = {
+        "epochs": history.epochs_done,
+        "resumed_after_epoch": history.resumed_from,
+        "loss": loss_name,
+        "epoch_losses": history.losses,
+        "final_loss": history.losses[-1] if history.losses else None,
+        "optimizer": qat.optimizer,
+        "lr": qat.lr,
+        "batch_size": qat.batch_size,
+        "seed": seed,
+        "training_samples": len(data),
+        "learn_scales": qat.learn_scales,
+        "learned_weight_scales": sorted(learned),
+        "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
+        "fake_quant_tensors": len(sites),
+        "fake_quant_weights": len(layout.weights),
+        "train_seconds": round(train_seconds, 3),
+        "accuracy": accuracy,
+        "equivalence": equivalence,
+        "activation_scales_changed": sum(
+            1 for t in activations if activations[t].scale != calibrated[t].scale
+        ),
+    }
+    commit_files(
+        {
+            **calibration.files,
+            recipe.quant_model_path: source,
+            recipe.report_path: report_bytes(report),
+        }
+    )
+    return QatResult(recipe.quant_model_path, recipe.report_path, report, verification.warnings)

@@ -1,0 +1,159 @@
+"""Tie the Layout's QDQ tensors and stored weights to the torch module that produced the graph.
+
+The TorchScript exporter names nodes after module paths (`/conv1/Conv` for module `conv1`) and
+keeps parameter names as initializer names (`conv1.weight`). A quantized activation tensor is
+fake-quantized at the output of the module whose node produces it (a graph input: at the model's
+input); a stored weight is the parameter of the same name. Names only suggest the tie:
+`check_sites` proves it by running the float module and ONNX Runtime on the same batch and
+comparing every tensor, so a node inside a module (not its output), a module called twice, or a
+functional op with no module is an error naming the tensor, never a fake quantizer in the wrong
+place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.errors import ModelError
+from qtool.ort_session import create_session
+from qtool.quantize.layout import Layout
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a quantized tensor appears in torch: module output, or graph input number `index`."""
+
+    tensor: str
+    module: str | None  # module path ("" is the root); None for a graph input
+    index: int = 0
+
+
+def module_path(node: onnx.NodeProto) -> str:
+    """`/block/conv1/Conv` -> `block.conv1` (the exporter's scope naming)."""
+    name = node.name
+    if not name.startswith("/") or "/" not in name[1:]:
+        raise ModelError(
+            f"node '{name}' ({node.op_type}) has no module scope in its name: it comes from a "
+            "functional call, not a module, and qtool qat cannot place its fake quantizer"
+        )
+    return name[1:].rsplit("/", 1)[0].replace("/", ".")
+
+
+def activation_sites(model: onnx.ModelProto, layout: Layout, input_names: list[str]) -> list[Site]:
+    producers = {out: node for node in model.graph.node for out in node.output}
+    sites = []
+    for tensor in sorted(layout.activations):
+        if tensor in input_names:
+            sites.append(Site(tensor, None, input_names.index(tensor)))
+            continue
+        node = producers.get(tensor)
+        if node is None:
+            raise ModelError(f"quantized tensor '{tensor}' has no producer in the prepared model")
+        sites.append(Site(tensor, module_path(node)))
+    return sites
+
+
+def weight_parameters(model: onnx.ModelProto, layout: Layout, module) -> dict[str, str]:
+    """Planned weight initializer -> the module path owning the parameter of that name.
+
+    The parameter must hold exactly the initializer's values: preparation rewrote any weight
+    that differs (transposed, folded), and training the torch copy would then not be exported.
+    """
+    initializers = {init.name: init for init in model.graph.initializer}
+    readers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in layout.weights:
+                readers.setdefault(name, node)
+    owners = {}
+    for name in sorted(layout.weights):
+        node = readers[name]
+        try:
+            parameter = module.get_parameter(name)
+        except AttributeError:
+            raise ModelError(
+                f"weight '{name}' of node '{node.name}' is not a parameter of the PyTorch "
+                "module: qtool qat cannot map it back"
+            ) from None
+        owner = name.rpartition(".")[0]
+        if owner != module_path(node):
+            raise ModelError(
+                f"weight '{name}' is read by node '{node.name}', not by module '{owner}'"
+            )
+        stored = numpy_helper.to_array(initializers[name])
+        value = parameter.detach().cpu().numpy()
+        if stored.shape != value.shape or not np.array_equal(stored, value):
+            raise ModelError(
+                f"weight '{name}': the prepared ONNX model holds other values than the module's "
+                f"parameter (shape {list(stored.shape)} vs {list(value.shape)}): preparation "
+                "rewrote it, so the trained parameter could not be exported"
+            )
+        owners[name] = owner
+    return owners
+
+
+def check_sites(
+    module, float_model: onnx.ModelProto, sites: list[Site], feeds: dict[str, np.ndarray]
+) -> None:
+    """Run the float module with capturing hooks and ONNX Runtime with the same tensors as
+    outputs; every site must be called once per forward and hold the same values."""
+    import torch
+
+    if not sites:  # weight-only plans quantize no activation
+        return
+    captured: dict[str, list[np.ndarray]] = {site.tensor: [] for site in sites}
+    handles = []
+    for site in sites:
+        if site.module is None:
+            continue
+        try:
+            target = module.get_submodule(site.module)
+        except AttributeError:
+            raise ModelError(
+                f"quantized tensor '{site.tensor}': module '{site.module}' (from its node's "
+                "name) does not exist in the PyTorch model"
+            ) from None
+
+        def hook(_module, _inputs, output, tensor=site.tensor):
+            if isinstance(output, torch.Tensor):
+                captured[tensor].append(output.detach().cpu().numpy())
+            else:
+                captured[tensor].append(None)
+
+        handles.append(target.register_forward_hook(hook))
+    names = list(feeds)
+    try:
+        with torch.no_grad():
+            module(*(torch.from_numpy(feeds[n]) for n in names))
+    finally:
+        for handle in handles:
+            handle.remove()
+    probe = onnx.ModelProto()
+    probe.CopyFrom(float_model)
+    existing = {o.name for o in probe.graph.output}
+    for site in sites:
+        if site.tensor not in existing:
+            probe.graph.output.append(onnx.ValueInfoProto(name=site.tensor))
+    session = create_session(probe.SerializeToString(), optimize=False, threads=1)
+    wanted = [site.tensor for site in sites]
+    values = dict(zip(wanted, session.run(wanted, feeds), strict=True))
+    for site in sites:
+        if site.module is None:
+            continue
+        calls = captured[site.tensor]
+        if len(calls) != 1 or calls[0] is None:
+            raise ModelError(
+                f"quantized tensor '{site.tensor}': module '{site.module}' ran {len(calls)} "
+                "times per forward or returned no single tensor; qtool qat needs one call"
+            )
+        got, want = calls[0], values[site.tensor]
+        bound = 1e-4 * max(1.0, float(np.abs(want).max()))
+        if got.shape != want.shape or float(np.abs(got - want).max()) > bound:
+            raise ModelError(
+                f"quantized tensor '{site.tensor}' is not the output of module '{site.module}' "
+                "(values differ from ONNX Runtime's): qtool qat cannot place its fake quantizer"
+            )
