@@ -20,6 +20,8 @@ import onnx
 from qtool import __version__, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.gptq import HessianAccumulator
+from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
+from qtool.calibration.channels import ChannelStats, channel_file_bytes, channels_path
 from qtool.calibration.collect import collect
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
 from qtool.calibration.observers import TensorStats
@@ -134,16 +136,19 @@ class Calibration:
     hessians: dict[str, HessianAccumulator]
     files: dict[Path, bytes]
     data_sha256: str | None
+    # SmoothQuant's per-channel statistics from this run (None: read from channels.npz)
+    channels: dict[str, ChannelStats] | None = None
 
 
 def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) -> Calibration:
     spec = recipe.calibration
     tensors = prepared.layout.stats_tensors()
     hessian_tensors = prepared.layout.hessian_tensors()
+    observers = channel_observers(recipe, prepared.model, prepared.layout)
     stats: list[TensorStats] = []
     hessians: dict[str, HessianAccumulator] = {}
     data_sha256 = None
-    if tensors or hessian_tensors:  # weight-only round-to-nearest needs no data at all
+    if tensors or hessian_tensors or observers:  # weight-only round-to-nearest needs no data at all
         fingerprint = _DataFingerprint()
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
@@ -157,6 +162,7 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
             device=kernels.default_device(),
             total_samples=count_samples_hint(spec.data, spec.max_samples),
             progress=progress,
+            channel_observers=observers,
         )
         data_sha256 = fingerprint.hexdigest()
     stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
@@ -165,7 +171,12 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
         files[recipe.hessians_path] = hessian_file_bytes(
             hessians, prepared.fingerprint, data_sha256
         )
-    return Calibration(stats, hessians, files, data_sha256)
+    channels = {observer.name: observer.result() for observer in observers}
+    if observers:
+        files[channels_path(recipe.stats_path)] = channel_file_bytes(
+            channels, prepared.fingerprint, data_sha256
+        )
+    return Calibration(stats, hessians, files, data_sha256, channels if observers else None)
 
 
 def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
@@ -220,6 +231,8 @@ def quantize(
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
     prepared = prepare(recipe)
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    # SmoothQuant: the smoothed model and layout, stats for its smoothed inputs (report entry)
+    prepared, calibration, smoothing = apply_smoothquant(recipe, prepared, calibration, stats_path)
     stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
     device = kernels.default_device()
@@ -237,7 +250,7 @@ def quantize(
         return write_qdq_model(float_model, layout, activations, weights, float_biases, target)
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target)
-    algorithms = {}
+    algorithms = {} if smoothing is None else {"smoothquant": smoothing}
     correction = recipe.quantization.algorithm("bias_correction")
     if correction is not None:
         with phase("bias correction"):
