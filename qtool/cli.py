@@ -126,23 +126,89 @@ def main(
     """qtool: calibrate, quantize and evaluate INT8 QDQ ONNX models from a YAML recipe."""
 
 
+ShardOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--shard",
+        help="Calibrate on shard INDEX/COUNT of the batches only (batch b when b % COUNT == "
+        "INDEX), for `qtool stats merge` to combine.",
+        show_default=False,
+    ),
+]
+
+
 @app.command(cls=_Command)
 @user_errors
 def calibrate(
-    recipe: RecipeArg, output_dir: OutputOpt = None, progress: ProgressOpt = True
+    recipe: RecipeArg,
+    output_dir: OutputOpt = None,
+    progress: ProgressOpt = True,
+    shard: ShardOpt = None,
 ) -> None:
-    """Stream the calibration set through the float model and write the stats file."""
+    """Stream the calibration set through the float model and write the stats file.
+
+    Under torchrun the processes split the batches and merge their statistics exactly; rank 0
+    writes the files, the same bytes one process writes.
+    """
+    from qtool import distributed
     from qtool.pipeline import calibrate as run_calibrate
     from qtool.pipeline import prepare
     from qtool.recipe import load_recipe
 
+    part = None if shard is None else distributed.Shard.parse(shard)
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
-        prepared = prepare(loaded)
-        stats = run_calibrate(loaded, prepared, progress=progress)
+    try:
+        group = distributed.current()
+        with _phase_display(progress and group.primary):
+            prepared = prepare(loaded)
+            stats = run_calibrate(loaded, prepared, progress=progress, shard=part)
+    finally:
+        distributed.shutdown()
+    if not group.primary:
+        return
     samples = max((s.samples for s in stats), default=0)
+    where = "" if part is None or part.whole else f" (shard {part})"
+    processes = "" if group.world == 1 else f" in {group.world} processes"
     console.print(
-        f"calibrated {len(stats)} tensors on {samples} samples -> {loaded.stats_path}",
+        f"calibrated {len(stats)} tensors on {samples} samples{where}{processes} "
+        f"-> {loaded.stats_path}",
+        highlight=False,
+    )
+
+
+stats_app = typer.Typer(
+    cls=_Group, help="Work with stats files from `qtool calibrate`.", no_args_is_help=True
+)
+app.add_typer(stats_app, name="stats")
+
+
+@stats_app.command("merge", cls=_Command)
+@user_errors
+def stats_merge(
+    files: Annotated[
+        list[Path],
+        typer.Argument(help="Stats files of `calibrate --shard` runs.", show_default=False),
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The merged stats file.", show_default=False)
+    ],
+) -> None:
+    """Merge the stats files of shard runs (and the hessians.npz beside each) exactly.
+
+    Refuses files of different models or bins and overlapping shards. When the shards cover the
+    whole calibration set, the merged file is byte-identical to one `qtool calibrate` run.
+    """
+    from qtool.calibration.merge import merge_stats_files
+    from qtool.io import commit_files
+
+    merged = merge_stats_files(files, output)
+    commit_files(merged.files)
+    covers = "all shards" if merged.shard is None else f"shards {merged.shard.describe()}"
+    samples = max((s.samples for s in merged.stats), default=0)
+    console.print(
+        f"merged {len(files)} files ({covers}): {len(merged.stats)} tensors on {samples} "
+        f"samples -> {output}"
+        + ("" if merged.hessians_path is None else f" (+ {merged.hessians_path})"),
         highlight=False,
     )
 
@@ -402,6 +468,68 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
         inputs.append(InputSpec(value.name, dims, dtype))
     spec = DataSpec(f"--data {data}", npz=data)
     return iter_batches(spec, tuple(inputs), batch_size, shapes_from=f"{model_path}")
+
+
+@app.command(cls=_Command)
+@user_errors
+def analyze(
+    recipe: RecipeArg,
+    stats: Annotated[
+        Path | None,
+        typer.Option("--stats", help="Stats file (default: the recipe's; calibrates if none)."),
+    ] = None,
+    mode: Annotated[
+        str,
+        typer.Option("--mode", help="one-at-a-time | all-but-one | layer | all (or a comma list)."),
+    ] = "all",
+    candidates: Annotated[
+        str | None,
+        typer.Option(
+            "--candidates",
+            help="Precisions to try per node, e.g. int8,int4 (int4: weighted nodes, opset 21). "
+            "Default: int8, and int4 on an opset-21 ort-cpu model.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int, typer.Option("--samples", min=1, help="Evaluation samples to score on.")
+    ] = 128,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="accuracy | agreement | cosine | sqnr. Default: the gate `qtool evaluate` "
+            "judges (evaluation.metric / min_cosine / min_sqnr; accuracy with labels).",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="PNG plot path (default: OUTPUT/sensitivity.png)."),
+    ] = None,
+    cache: Annotated[
+        bool, typer.Option("--cache/--no-cache", help="Reuse measurements of earlier runs.")
+    ] = True,
+    output_dir: OutputOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Measure each quantized node's sensitivity: quantized alone, kept float alone, and its
+    SQNR layer by layer; writes sensitivity.json, plan.yaml and a plot."""
+    from qtool.analyze.command import run
+    from qtool.recipe import load_recipe
+
+    loaded = load_recipe(recipe, output_dir)
+    with _phase_display(progress):
+        run(
+            loaded,
+            console,
+            stats=stats,
+            mode=mode,
+            candidates=candidates,
+            samples=samples,
+            metric=metric,
+            plot=plot,
+            use_cache=cache,
+            progress=progress,
+        )
 
 
 @app.command(cls=_Command)

@@ -35,6 +35,7 @@ from qtool import provenance
 from qtool.errors import DataError, ModelError
 from qtool.ort_session import create_session
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
+from qtool.runtime.fusion import sqnr_db
 from qtool.runtime.low_bit import (
     ACCURACY_LEVEL_KEY,
     ACCURACY_LEVELS,
@@ -290,12 +291,18 @@ def fused_gap_warning(outputs: Iterable[OutputResult], cpu: CpuFeatures) -> Eval
 
 
 def check_provenance(
-    fp32_path: Path, quant_proto: onnx.ModelProto, quant_path: Path, allow_foreign: bool
+    fp32_path: Path,
+    quant_proto: onnx.ModelProto,
+    quant_path: Path,
+    allow_foreign: bool,
+    fp32_proto: onnx.ModelProto | None = None,
 ) -> tuple[dict, list[EvalWarning]]:
     """Refuse a quantized model that records another float model than `fp32_path`.
 
     Comparing a quantized model with a float model it was not made from prints a "drop" that is
     really a mix-up, so this is an error unless the user says they mean it (allow_foreign).
+    The float model's hash covers its external data files (`fp32_proto`: its proto without
+    them, when already read).
     """
     recorded = provenance.read(quant_proto)
     info: dict = {"recorded": recorded}
@@ -308,7 +315,7 @@ def check_provenance(
             f"quantized from {fp32_path}"
         )
         return info, [EvalWarning("no_provenance", message)]
-    actual = provenance.sha256_file(fp32_path)
+    actual = provenance.sha256_model(fp32_path, fp32_proto)
     info["fp32_sha256"] = actual
     if actual == expected:
         info["status"] = "match"
@@ -479,11 +486,7 @@ class _Fidelity:
                 self.correct += int(np.count_nonzero(top_q == labels))
 
     def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        if self.signal == 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.signal / self.noise)
+        return sqnr_db(self.signal, self.noise)
 
     def metrics(self, labelled: bool) -> VariantMetrics:
         agreement = self.agree / self.predictions if self.predictions else None
@@ -605,7 +608,9 @@ def evaluate_models(
         raise ValueError(f"latency_runs must be >= 1, got {latency_runs}")
     fp32_path, quant_path = Path(fp32_path), Path(quant_path)
     fp32_proto, quant_proto = _read_proto(fp32_path), _read_proto(quant_path)
-    prov, warnings = check_provenance(fp32_path, quant_proto, quant_path, allow_foreign_fp32)
+    prov, warnings = check_provenance(
+        fp32_path, quant_proto, quant_path, allow_foreign_fp32, fp32_proto
+    )
     sizes = (_model_bytes(fp32_path, fp32_proto), _model_bytes(quant_path, quant_proto))
     del fp32_proto, quant_proto
     ref_session = create_session(fp32_path, threads=threads)

@@ -14,7 +14,10 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from qtool.errors import OutputError
 
@@ -54,6 +57,8 @@ def remove_stale_temporaries(folder: Path, now: float | None = None) -> list[Pat
         match = _TEMP_NAME.match(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
             continue
+        if Path(entry.path) in _LIVE:
+            continue
         try:
             old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
             if old or not _pid_alive(int(match.group(1))):
@@ -64,15 +69,34 @@ def remove_stale_temporaries(folder: Path, now: float | None = None) -> list[Pat
     return removed
 
 
-def _write_temporary(path: Path, data: bytes) -> Path:
-    """Write `data` durably to a new temporary file beside `path`; return its path."""
+# Files this process staged and has not committed or discarded yet: never stale, however long
+# the run that staged them takes (a model's calibration can outlast STALE_AFTER_S).
+_LIVE: set[Path] = set()
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An output already written and fsynced to a temporary file beside its target, for content
+    too large to hold as bytes (a model's external data): `commit_files` renames it into place
+    with the other outputs. Until then the temporary file can be read (ONNX Runtime sessions open
+    the staged model), and `discard` removes it when the run fails before the commit."""
+
+    path: Path
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        _LIVE.discard(self.path)
+
+
+def _write_temporary(path: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Call `write` on a new temporary file beside `path`, then make it durable; return its path."""
     fd, name = tempfile.mkstemp(
         prefix=f".{path.name}.qtool{os.getpid()}.", suffix=".tmp", dir=path.parent
     )
     tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)
@@ -82,33 +106,60 @@ def _write_temporary(path: Path, data: bytes) -> Path:
     return tmp
 
 
-def commit_files(files: dict[Path, bytes]) -> None:
+def stage(target: Path, write: Callable[[BinaryIO], None]) -> Staged:
+    """Stage one output: `write` streams its content into a temporary file beside `target`.
+
+    A full disk raises OutputError naming `target` and leaves nothing behind. The folder's stale
+    temporaries (killed runs) are removed first: a staged model's leftovers are gigabytes.
+    """
+    target = Path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target.parent)
+        tmp = _write_temporary(target, write)
+    except OSError as exc:
+        raise _fail(target, exc) from None
+    _LIVE.add(tmp)
+    return Staged(tmp)
+
+
+def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
     """Write all of `files` or none of them.
 
-    Phase 1 writes every file to a temporary beside its target (the step a full disk fails);
-    phase 2 renames them into place. Should a rename fail midway, the targets already replaced
-    get their previous content back (kept as a hard link, or renamed aside where the filesystem
-    has no hard links) and new ones are removed, so the folder is as it was before the call.
+    Phase 1 writes every file given as bytes to a temporary beside its target (the step a full
+    disk fails); a `Staged` file is such a temporary already. Phase 2 renames them into place.
+    Should a rename fail midway, the targets already replaced get their previous content back
+    (kept as a hard link, or renamed aside where the filesystem has no hard links) and new ones
+    are removed, so the folder is as it was before the call. Staged files are removed on failure
+    too: none of this run's outputs survive it.
     """
     targets = [Path(p) for p in files]
     written: dict[Path, Path] = {}
+    for path, content in zip(targets, files.values(), strict=True):
+        if isinstance(content, Staged):
+            if os.path.abspath(content.path.parent) != os.path.abspath(path.parent):
+                raise ValueError(f"{content.path} is not staged beside {path}")
+            written[path] = content.path
     current: Path | None = None
     try:
         for folder in dict.fromkeys(p.parent for p in targets):
             current = folder
             folder.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(folder)
-        for path in targets:
-            current = path
-            written[path] = _write_temporary(path, files[path])
+        for path, content in zip(targets, files.values(), strict=True):
+            if not isinstance(content, Staged):
+                current = path
+                written[path] = _write_temporary(path, lambda handle, c=content: handle.write(c))
         current = None
-        _rename_all(written)
+        _rename_all({path: written[path] for path in targets})
     except BaseException as exc:
         for tmp in written.values():
             tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise _fail(current or targets[0], exc, len(targets)) from None
         raise
+    finally:
+        _LIVE.difference_update(written.values())
 
 
 def _backup(path: Path) -> Path | None:

@@ -65,16 +65,35 @@ def load_entry_point(spec: str, what: str):
 def load_model(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
     """Return the FP32 model as ONNX, checked against the recipe's declared inputs."""
     if spec.onnx is not None:
-        try:
-            model = onnx.load(str(spec.onnx))
-        except Exception as exc:
-            raise ModelError(f"{spec.onnx}: not a readable ONNX model ({exc})") from None
+        model = load_onnx(Path(spec.onnx))
         source = str(spec.onnx)
     else:
         model = export_pytorch(spec, inputs)
         source = spec.pytorch or "pytorch model"
     check_inputs(model, inputs, source)
     fit_ir_version(model, source)
+    return model
+
+
+def load_onnx(path: Path) -> onnx.ModelProto:
+    """Read an ONNX file and the external data files beside it (models over 2 GB keep their
+    weights there: see qtool.external_data); a missing data file is named in the error."""
+    from qtool.external_data import external_files
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from None
+    missing = [f for f in external_files(path, model) if not f.is_file()]
+    if missing:
+        raise ModelError(
+            f"{path}: its weights are stored in {missing[0].name}, which is not in "
+            f"{missing[0].parent}"
+        )
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as exc:  # a location outside the folder, a file shorter than an offset
+        raise ModelError(f"{path}: cannot read its external data ({first_line(exc)})") from None
     return model
 
 

@@ -17,19 +17,27 @@ from pathlib import Path
 
 import onnx
 
-from qtool import __version__, kernels, provenance
+from qtool import __version__, distributed, external_data, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
 from qtool.calibration.channels import ChannelStats, channel_file_bytes, channels_path
 from qtool.calibration.collect import collect
+from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
+from qtool.calibration.merge import merge_across_processes
 from qtool.calibration.observers import TensorStats
-from qtool.calibration.stats_file import load_stats, stats_data_sha256, stats_file_bytes
-from qtool.data import Batch, count_samples_hint, iter_batches
+from qtool.calibration.stats_file import (
+    ShardRecord,
+    load_stats,
+    stats_data_sha256,
+    stats_file_bytes,
+)
+from qtool.data import count_samples_hint, iter_batches
+from qtool.distributed import Group, Shard
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
-from qtool.io import commit_files
+from qtool.io import Staged, commit_files
 from qtool.models import load_model
 from qtool.ort_session import create_session
 from qtool.phases import phase
@@ -46,11 +54,27 @@ from qtool.verify import verify
 
 @dataclass
 class PreparedModel:
-    model: onnx.ModelProto
-    serialized: bytes
+    # None while a staged model's weights are left to the file: during calibration, after writing
+    model: onnx.ModelProto | None
+    serialized: bytes | None  # the float model file; None when it is staged as external data
     fingerprint: str
     layout: Layout
     source_sha256: str
+    # Models over the protobuf limit: the float model written as external data, not committed.
+    staged: external_data.StagedModel | None = None
+
+    def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
+        """The float model file(s) to commit at `path` (the path given to prepare)."""
+        if self.staged is None:
+            return {path: self.serialized}
+        if self.staged.path != path:
+            raise ValueError(f"the float model was staged for {self.staged.path}, not {path}")
+        return self.staged.files()
+
+    def discard(self) -> None:
+        """Remove the staged float model's temporary files (a run that fails before committing)."""
+        if self.staged is not None:
+            self.staged.discard()
 
 
 @dataclass
@@ -70,7 +94,7 @@ def _source_sha256(recipe: Recipe) -> str:
     """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file."""
     spec = recipe.model
     if spec.onnx is not None:
-        return provenance.sha256_file(spec.onnx)
+        return provenance.sha256_model(spec.onnx)
     digest = hashlib.sha256(str(spec.pytorch).encode())
     if spec.weights is not None:
         digest.update(provenance.sha256_file(spec.weights).encode())
@@ -83,8 +107,9 @@ def prepare(recipe: Recipe) -> PreparedModel:
     if recipe.quantization.may_need_opset21:
         min_opset = max(min_opset, TARGET_OPSET)
     loaded = load_model(recipe.model, recipe.inputs)
-    with phase("preparing graph"):
-        model = prepare_model(loaded, min_opset=min_opset)
+    with phase("preparing graph"):  # in place: a model over 2 GB must not be held twice
+        model = prepare_model(loaded, min_opset=min_opset, copy=False)
+    del loaded
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -96,35 +121,21 @@ def prepare(recipe: Recipe) -> PreparedModel:
             f"{recipe.path}: no node can be quantized with quantization.op_types "
             f"{list(recipe.quantization.op_types)} and the exclude list"
         )
+    source_sha256 = _source_sha256(recipe)
+    if external_data.needs_external_data(model):
+        # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
+        # is written), and read back from there for the same reason the small path re-parses.
+        with phase("writing the float model (external data)"):
+            staged = external_data.stage_model(model, recipe.float_model_path)
+            del model
+            model = staged.load()
+        return PreparedModel(model, None, staged.sha256, layout, source_sha256, staged)
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
-    return PreparedModel(model, serialized, fingerprint, layout, _source_sha256(recipe))
-
-
-class _DataFingerprint:
-    """SHA-256 of the calibration inputs, one stream per input, so it ignores the batch size."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, hashlib._Hash] = {}
-
-    def tap(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        for batch in batches:
-            for name, array in batch.inputs.items():
-                if name not in self._streams:
-                    self._streams[name] = hashlib.sha256(
-                        f"{name}:{array.dtype.str}:{array.shape[1:]}".encode()
-                    )
-                self._streams[name].update(array.tobytes())
-            yield batch
-
-    def hexdigest(self) -> str:
-        total = hashlib.sha256()
-        for name in sorted(self._streams):
-            total.update(self._streams[name].digest())
-        return total.hexdigest()
+    return PreparedModel(model, serialized, fingerprint, layout, source_sha256)
 
 
 @dataclass
@@ -134,40 +145,81 @@ class Calibration:
 
     stats: list[TensorStats]
     hessians: dict[str, HessianAccumulator]
-    files: dict[Path, bytes]
+    files: dict[Path, bytes | Staged]
     data_sha256: str | None
+    primary: bool = True  # rank 0 (or the only process): the one that writes the files
     # SmoothQuant's per-channel statistics from this run (None: read from channels.npz)
     channels: dict[str, ChannelStats] | None = None
 
 
-def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) -> Calibration:
+def _run_calibration(
+    recipe: Recipe,
+    prepared: PreparedModel,
+    progress: bool,
+    shard: Shard | None = None,
+    group: Group | None = None,
+    reload: bool = True,
+) -> Calibration:
+    """Calibrate on `shard` of the batches (all of them by default), split further across the
+    ranks of `group` and merged exactly (calibration/merge.py) before anything is written.
+    `reload`: whether a staged model's weights are read back afterwards (quantize needs them)."""
     spec = recipe.calibration
+    shard, group = shard or Shard(), group or Group()
+    part = shard.part(group.rank, group.world)
     tensors = prepared.layout.stats_tensors()
     hessian_tensors = prepared.layout.hessian_tensors()
     observers = channel_observers(recipe, prepared.model, prepared.layout)
     stats: list[TensorStats] = []
     hessians: dict[str, HessianAccumulator] = {}
-    data_sha256 = None
-    if tensors or hessian_tensors or observers:  # weight-only round-to-nearest needs no data at all
-        fingerprint = _DataFingerprint()
+    if observers and not part.whole:
+        # min/max per channel would merge exactly, but the row sample SmoothQuant searches alpha
+        # on is chosen by each row's position in the whole stream, which no shard knows.
+        raise CalibrationError(
+            f"{recipe.path}: quantization.algorithms.smoothquant needs one calibration process "
+            f"over all batches (got shard {part}{group.describe()}): its sampled rows cannot be "
+            "merged across shards exactly; calibrate without --shard/torchrun"
+        )
+    digest = None
+    if tensors or hessian_tensors or observers:  # weight-only round-to-nearest needs no data
+        digest = DataDigest()
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
         )
+        model, model_dir = prepared.model, None
+        if prepared.staged is not None:
+            # ORT reads the weights from the staged float model: Python lets go of its copy
+            # meanwhile (a model's worth of memory) and reads it back afterwards.
+            model, model_dir = prepared.staged.structure(), prepared.staged.session_path.parent
+            prepared.model = None
         stats, hessians = collect(
-            prepared.model,
+            model,
             tensors,
-            fingerprint.tap(batches),
+            digest.tap(part.select(batches, f"{recipe.path}: calibration{group.describe()}")),
             bins=spec.bins,
             hessian_tensors=hessian_tensors,
             device=kernels.default_device(),
-            total_samples=count_samples_hint(spec.data, spec.max_samples),
-            progress=progress,
+            total_samples=part.samples(
+                count_samples_hint(spec.data, spec.max_samples), spec.batch_size
+            ),
+            progress=progress and group.primary,
+            model_dir=model_dir,
             channel_observers=observers,
         )
-        data_sha256 = fingerprint.hexdigest()
-    stats_bytes = stats_file_bytes(stats, prepared.fingerprint, spec.bins, data_sha256)
-    files = {recipe.stats_path: stats_bytes, recipe.float_model_path: prepared.serialized}
-    if hessian_tensors:
+        del model
+        if prepared.staged is not None and reload:
+            prepared.model = prepared.staged.load()
+        stats, hessians, digest = merge_across_processes(
+            group, prepared.fingerprint, spec.bins, stats, hessians, digest
+        )
+    record = ShardRecord(
+        shard.count, (shard.index,), spec.batch_size, spec.max_samples, recipe.seed
+    )
+    stats_bytes = stats_file_bytes(
+        stats, prepared.fingerprint, spec.bins, data_digest=digest, shard=record
+    )
+    data_sha256 = None if digest is None else digest.hexdigest()
+    files = {recipe.stats_path: stats_bytes, **prepared.float_files(recipe.float_model_path)}
+    if hessian_tensors and group.primary:
         files[recipe.hessians_path] = hessian_file_bytes(
             hessians, prepared.fingerprint, data_sha256
         )
@@ -176,13 +228,24 @@ def _run_calibration(recipe: Recipe, prepared: PreparedModel, progress: bool) ->
         files[channels_path(recipe.stats_path)] = channel_file_bytes(
             channels, prepared.fingerprint, data_sha256
         )
-    return Calibration(stats, hessians, files, data_sha256, channels if observers else None)
+    return Calibration(
+        stats, hessians, files, data_sha256, group.primary, channels if observers else None
+    )
 
 
-def calibrate(recipe: Recipe, prepared: PreparedModel, progress: bool = True) -> list[TensorStats]:
-    """Stream the calibration set through the model; write and return the statistics."""
-    run = _run_calibration(recipe, prepared, progress)
-    commit_files(run.files)
+def calibrate(
+    recipe: Recipe, prepared: PreparedModel, progress: bool = True, shard: Shard | None = None
+) -> list[TensorStats]:
+    """Stream the calibration set (or `shard` of it) through the model, across the processes
+    torchrun started when it did; write (rank 0) and return the statistics."""
+    try:
+        run = _run_calibration(
+            recipe, prepared, progress, shard, distributed.current(), reload=False
+        )
+        if run.primary:
+            commit_files(run.files)
+    finally:
+        prepared.discard()  # staged files: renamed into place by the commit, or removed here
     return run.stats
 
 
@@ -229,7 +292,17 @@ def quantize(
     recipe: Recipe, stats_path: Path | None = None, progress: bool = True
 ) -> QuantizeResult:
     """Ranges from statistics (calibrating first when no stats file is given) -> QDQ model."""
+    distributed.require_single_process("qtool quantize")
     prepared = prepare(recipe)
+    try:
+        return _quantize(recipe, prepared, stats_path, progress)
+    finally:
+        prepared.discard()  # staged files: renamed into place by the commit, or removed here
+
+
+def _quantize(
+    recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
+) -> QuantizeResult:
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
     # SmoothQuant: the smoothed model and layout, stats for its smoothed inputs (report entry)
     prepared, calibration, smoothing = apply_smoothquant(recipe, prepared, calibration, stats_path)
@@ -244,6 +317,13 @@ def quantize(
     )
     biases = bias_parameters(model, layout, activations, weights)
     target = recipe.quantization.target
+    correction = recipe.quantization.algorithm("bias_correction")
+    if prepared.staged is not None and correction is None and smoothing is None:
+        # The float weights being replaced are read no more (the writer drops them): read back
+        # only the rest from the staged file, so the float model is not held while writing.
+        # (Not after SmoothQuant: the staged file holds the unsmoothed model.)
+        prepared.model = model = None  # dropped before the read: never held twice
+        prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
 
     def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
         float_biases = bias_parameters(float_model, layout, activations, weights)
@@ -251,7 +331,6 @@ def quantize(
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target)
     algorithms = {} if smoothing is None else {"smoothquant": smoothing}
-    correction = recipe.quantization.algorithm("bias_correction")
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(
@@ -261,6 +340,9 @@ def quantize(
                 write,
                 lambda: _calibration_inputs(recipe, correction["samples"]),
             )
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    if prepared.staged is not None:  # its float weights are on disk, staged: no longer needed
+        prepared.model = model = None
     provenance.stamp(
         quantized,
         {
@@ -271,38 +353,64 @@ def quantize(
             provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
         },
     )
-    serialized = quantized.SerializeToString()
+    staged = None
     try:
-        create_session(serialized)
-    except QtoolError as exc:
-        raise ModelError(f"the quantized model does not load in ONNX Runtime: {exc}") from None
-    with phase("verifying what ONNX Runtime runs"):
-        verification = verify(
-            serialized,
-            layout.plan,
-            _verify_feeds(recipe),
-            cpu,
-            target=recipe.quantization.target,
-            float_model=prepared.serialized,
-        )
-    node_inputs = {node.name: list(node.input) for node in model.graph.node}
-    files = {
-        "float_model": str(recipe.float_model_path),
-        "quantized_model": str(recipe.quant_model_path),
-        "stats": str(stats_path),
-    }
-    report = build_report(
-        recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
-    )
-    report["algorithms"] = algorithms
-    commit_files(
-        {
-            **calibration.files,
-            recipe.quant_model_path: serialized,
-            recipe.float_model_path: prepared.serialized,
-            recipe.report_path: report_bytes(report),
+        source: bytes | Path
+        # External data when the float model has it too: ORT sessions then map the weights
+        # from the file instead of each copying the serialized model.
+        if prepared.staged is not None or external_data.needs_external_data(quantized):
+            with phase("writing the quantized model (external data)"):
+                staged = external_data.stage_model(quantized, recipe.quant_model_path)
+            del quantized
+            source, quant_files = staged.session_path, staged.files()
+        else:
+            source = quantized.SerializeToString()
+            quant_files = {recipe.quant_model_path: source}
+        try:
+            create_session(source)
+        except QtoolError as exc:
+            message = str(exc)
+            if isinstance(source, Path):  # name the output, not its temporary file
+                message = message.replace(str(source), str(recipe.quant_model_path))
+            raise ModelError(
+                f"the quantized model does not load in ONNX Runtime: {message}"
+            ) from None
+        float_source = prepared.serialized
+        if prepared.staged is not None:
+            float_source = prepared.staged.session_path
+        with phase("verifying what ONNX Runtime runs"):
+            verification = verify(
+                source,
+                layout.plan,
+                _verify_feeds(recipe),
+                cpu,
+                target=recipe.quantization.target,
+                float_model=float_source,
+            )
+        files = {
+            "float_model": str(recipe.float_model_path),
+            "quantized_model": str(recipe.quant_model_path),
+            "stats": str(stats_path),
         }
-    )
+        if staged is not None:  # ship both files: the .onnx alone has no weights
+            files["quantized_model_data"] = str(staged.data_path)
+        if prepared.staged is not None:
+            files["float_model_data"] = str(prepared.staged.data_path)
+        report = build_report(
+            recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
+        )
+        report["algorithms"] = algorithms
+        commit_files(
+            {
+                **calibration.files,
+                **quant_files,
+                **prepared.float_files(recipe.float_model_path),
+                recipe.report_path: report_bytes(report),
+            }
+        )
+    finally:
+        if staged is not None:
+            staged.discard()
     return QuantizeResult(
         recipe.quant_model_path, recipe.report_path, report, verification.warnings
     )

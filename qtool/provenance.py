@@ -3,6 +3,10 @@
 `qtool evaluate --fp32 A --quant B` compares whatever two files it is given; a quantized model from
 another float model prints a 97.78% -> 12.78% "drop" that is really a mix-up. The writer stamps
 these keys into the quantized model's metadata_props and evaluate checks them.
+
+The calibration data key holds the stats file's `data_sha256`: a multiset fingerprint of the
+samples (calibration/data_digest.py), so a run split over processes, machines or shard files
+records the value a single process records over the same samples, whatever the batch size.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 import onnx
 
 VERSION = "qtool.version"
-FLOAT_MODEL_SHA256 = "qtool.float_model_sha256"  # the model.fp32.onnx written beside it
+FLOAT_MODEL_SHA256 = "qtool.float_model_sha256"  # model.fp32.onnx beside it (+ its .data)
 SOURCE_MODEL_SHA256 = "qtool.source_model_sha256"  # the model as loaded, before preparation
 RECIPE_SHA256 = "qtool.recipe_sha256"
 CALIBRATION_DATA_SHA256 = "qtool.calibration_data_sha256"
@@ -31,6 +35,15 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_model(path: Path, model: onnx.ModelProto | None = None) -> str:
+    """A model's SHA-256 over its file and the external data files it references (what the stats
+    fingerprint of a model over 2 GB is): sha256_file(path) for a model without external data.
+    `model`: the file's proto when already read (without external data)."""
+    from qtool.external_data import model_sha256
+
+    return model_sha256(path, model)
 
 
 def stamp(model: onnx.ModelProto, values: dict[str, str]) -> None:

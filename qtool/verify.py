@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -79,7 +80,11 @@ FASTER_MARGIN = 1.05
 
 
 def low_bit_speed(
-    float_model: bytes, quantized: bytes, feed: dict[str, np.ndarray], cpu, threads: int
+    float_model: bytes | Path,
+    quantized: bytes | Path,
+    feed: dict[str, np.ndarray],
+    cpu,
+    threads: int,
 ) -> dict:
     """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1."""
     sessions = [create_session(m, threads=threads) for m in (float_model, quantized)]
@@ -104,15 +109,17 @@ def low_bit_speed(
 
 
 def verify(
-    quantized: bytes,
+    quantized: bytes | Path,
     plan: Plan,
     feeds: Sequence[dict[str, np.ndarray]],
     target_cpu: CpuFeatures,
     threads: int = 1,
     target: str = "ort-cpu",
-    float_model: bytes | None = None,
+    float_model: bytes | Path | None = None,
 ) -> Verification:
-    """Fill `plan`'s runtime truth and return the summary and the warnings to show the user."""
+    """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
+
+    `quantized`: the serialized model, or its path (models with external data, over 2 GB)."""
     planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
     truth = fusion_truth(quantized, planned, threads)
     weight_only = set()

@@ -382,8 +382,6 @@ def test_missing_cpu_library_says_reinstall(monkeypatch, tmp_path) -> None:
 # thread count. Sets this CPU lacks are skipped, so AVX2-only and AVX-512 machines both pass.
 
 
-
-
 def ref_hist(x: np.ndarray, half_range: float, nbins: int) -> np.ndarray:
     """qt_hist_bin in numpy: floor((double(v) + R) * nbins / (2R)), clamped, non-finite skipped."""
     v = np.asarray(x, np.float32).ravel()

@@ -22,8 +22,6 @@ from qtool.quantize import int4
 MSE_GRID = int4._check_grid("mse", int4.DEFAULT_MSE_GRID)
 
 
-
-
 def _weights(rows: int, columns: int, seed: int) -> np.ndarray:
     """Gaussian weights with the cases that decide a search: outliers (clipping pays), all-zero
     and constant columns (ties), one-signed columns, tiny values (the 1e-8 scale floor), and a

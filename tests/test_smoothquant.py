@@ -340,3 +340,13 @@ def test_smoothquant_refuses_histogram_methods_before_calibrating(folder):
     )
     with pytest.raises(RecipeError, match="smoothquant: needs calibration.method minmax"):
         quantize(recipe, progress=False)
+
+
+def test_sharded_calibration_is_refused_not_merged_wrongly(folder, cli):
+    """Per-channel min/max would merge, but the row sample is keyed by the row's position in
+    the whole stream, which a shard does not know: a clear error, no channels.npz."""
+    recipe_path = _write_recipe(folder, "sharded", "  algorithms: [smoothquant]\n")
+    result = cli("calibrate", recipe_path, "--shard", "0/2", "--no-progress")
+    assert result.exit_code == 2, result.output
+    assert "smoothquant needs one calibration process" in result.output
+    assert not (folder / "out-sharded" / "channels.npz").exists()

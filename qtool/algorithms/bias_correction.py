@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool import external_data
 from qtool.calibration.collect import save_with_extra_outputs
 from qtool.errors import CalibrationError, DataError
 from qtool.ort_session import create_session, ort_reason
@@ -258,7 +259,7 @@ def _output_error(
         paths = []
         for label, model in (("float", float_model), ("quant", quantized)):
             path = Path(tmp) / f"{label}.onnx"
-            path.write_bytes(model.SerializeToString())
+            external_data.write_model(model, path)  # over 2 GB: with external data
             paths.append(path)
         reference = create_session(paths[0])
         candidate = create_session(paths[1], optimize=False)

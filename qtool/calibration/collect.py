@@ -22,6 +22,7 @@ qtool/calibration/channels.py): each observer's tensor is fetched with the other
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import onnx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from qtool import external_data
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.channels import ChannelObserver
 from qtool.calibration.observers import HistogramObserver, TensorStats
@@ -58,13 +60,14 @@ def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.Valu
 
 def save_with_extra_outputs(model: onnx.ModelProto, tensors: list[str], path: Path) -> None:
     """Write `model` plus the extra outputs to `path` without copying the ModelProto: the outputs
-    are appended for the serialization and removed again, so `model` is unchanged afterwards."""
+    are appended for the serialization and removed again, so `model` is unchanged afterwards.
+    A model over protobuf's limit gets its weights in `path`.data (qtool.external_data)."""
     extra = _extra_outputs(model, tensors)
     outputs = model.graph.output
     keep = len(outputs)
     outputs.extend(extra)
     try:
-        path.write_bytes(model.SerializeToString())
+        external_data.write_model(model, path)
     finally:
         del outputs[keep:]
 
@@ -110,14 +113,19 @@ def collect(
     total_samples: int | None = None,
     progress: bool = True,
     threads: int | None = None,
+    model_dir: Path | None = None,
     channel_observers: Sequence[ChannelObserver] = (),
 ) -> tuple[list[TensorStats], dict[str, HessianAccumulator]]:
     """Statistics for each of `tensors` (in the given order) and XᵀX of each of
     `hessian_tensors` (keyed by name, in the given order), from one ORT run per batch.
 
     `device` is where the histogram kernels run; XᵀX is always float64 numpy on the CPU, so the
-    same batches give the same bytes whatever the device. Each of `channel_observers` (per-channel
-    statistics for SmoothQuant) is updated in place with its tensor from the same runs.
+    same batches give the same bytes whatever the device. `model_dir`: the folder that `model`'s
+    external data references are relative to, for a model whose weights stay on disk (over 2 GB:
+    see qtool.external_data); the model with the extra outputs is written there, since ONNX
+    Runtime reads external data only from the model file's own folder. Each of
+    `channel_observers` (per-channel statistics for SmoothQuant) is updated in place with its
+    tensor from the same runs.
     """
     hessian_names = list(dict.fromkeys(hessian_tensors))
     channel_names = [observer.name for observer in channel_observers]
@@ -130,13 +138,22 @@ def collect(
         tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp,
     ):
         path = Path(tmp) / "calibration.onnx"
-        save_with_extra_outputs(model, fetch, path)
+        if model_dir is not None:  # a qtool temporary name: a killed run's copy is cleaned up
+            handle, name = tempfile.mkstemp(
+                prefix=f".calibration.onnx.qtool{os.getpid()}.", suffix=".tmp", dir=model_dir
+            )
+            os.close(handle)
+            path = Path(name)
         try:
+            save_with_extra_outputs(model, fetch, path)
             session = create_session(path, threads=threads)  # ORT has read the file; it can go
         except ModelError as exc:  # name the model, not the temporary file
             raise ModelError(
                 str(exc).replace(str(path), "the model with the observed tensors as outputs")
             ) from None
+        finally:
+            if model_dir is not None:
+                path.unlink(missing_ok=True)
     observers = [HistogramObserver(name, bins * 2, device=device) for name in tensors]
     columns = (
         TextColumn("calibrating"),

@@ -2,6 +2,14 @@
 
 numpy's savez stamps the current time into the zip, so two identical calibrations would differ;
 this writer fixes every zip timestamp so the same data gives the same file (checked by tests).
+
+Besides the statistics the index records what they were collected on: the prepared model's
+SHA-256, the histogram bins, and the calibration data as a mergeable multiset fingerprint
+(`data_digest`, see calibration/data_digest.py; `data_sha256` is its digest). A file that covers
+only some shards of the calibration set (`qtool calibrate --shard i/N`, or a merge of some of
+them) also records which (`shard`: count, indices, and the batching that defines a shard), so
+`qtool stats merge` can refuse overlapping shards; a file that covers the whole set records no
+`shard`, which makes a complete merge byte-identical to a single run.
 """
 
 from __future__ import annotations
@@ -10,16 +18,93 @@ import io
 import json
 import math
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from qtool.calibration.archive import write_member
+from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
 
 FORMAT = "qtool-stats/1"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """The part of the calibration set a file covers: batches b with b % count in indices.
+
+    Batches are cut by batch_size from the first max_samples samples of the source (shuffled by
+    seed where the source shuffles), so shards agree on what batch b is only when all three agree.
+    """
+
+    count: int
+    indices: tuple[int, ...]
+    batch_size: int
+    max_samples: int | None
+    seed: int
+
+    @property
+    def complete(self) -> bool:
+        return self.indices == tuple(range(self.count))
+
+    def describe(self) -> str:
+        return f"{','.join(map(str, self.indices))}/{self.count}"
+
+    def to_json(self) -> dict:
+        return {
+            "count": self.count,
+            "indices": list(self.indices),
+            "batch_size": self.batch_size,
+            "max_samples": self.max_samples,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_json(cls, value: object, where: str) -> ShardRecord:
+        def integer(key: str, minimum: int, optional: bool = False) -> int | None:
+            item = value.get(key)
+            if optional and item is None:
+                return None
+            if type(item) is not int or item < minimum:
+                raise CalibrationError(f"{where}: shard {key} must be an integer >= {minimum}")
+            return item
+
+        if not isinstance(value, dict):
+            raise CalibrationError(f"{where}: shard must be an object, got {value!r}")
+        count = integer("count", 2)
+        indices = value.get("indices")
+        if (
+            not isinstance(indices, list)
+            or not indices
+            or any(type(i) is not int or not 0 <= i < count for i in indices)
+            or indices != sorted(set(indices))
+        ):
+            raise CalibrationError(
+                f"{where}: shard indices must be distinct, sorted, in 0..{count - 1}"
+            )
+        return cls(
+            count,
+            tuple(indices),
+            integer("batch_size", 1),
+            integer("max_samples", 1, optional=True),
+            integer("seed", -(2**63)),
+        )
+
+
+@dataclass
+class StatsFile:
+    """Everything a stats file holds, checked."""
+
+    path: Path
+    stats: list[TensorStats]  # in file order
+    model_sha256: str
+    bins: int
+    data_sha256: str | None
+    data_digest: DataDigest | None  # None in files written before the digest was mergeable
+    shard: ShardRecord | None  # None: the whole calibration set
 
 
 def save_stats(
@@ -28,9 +113,17 @@ def save_stats(
     model_fingerprint: str,
     bins: int,
     data_sha256: str | None = None,
+    *,
+    data_digest: DataDigest | None = None,
+    shard: ShardRecord | None = None,
 ) -> None:
     """`data_sha256` fingerprints the calibration batches, for the quantized model's provenance."""
-    atomic_write_bytes(path, stats_file_bytes(stats, model_fingerprint, bins, data_sha256))
+    atomic_write_bytes(
+        path,
+        stats_file_bytes(
+            stats, model_fingerprint, bins, data_sha256, data_digest=data_digest, shard=shard
+        ),
+    )
 
 
 def stats_file_bytes(
@@ -38,8 +131,19 @@ def stats_file_bytes(
     model_fingerprint: str,
     bins: int,
     data_sha256: str | None = None,
+    *,
+    data_digest: DataDigest | None = None,
+    shard: ShardRecord | None = None,
 ) -> bytes:
-    """The stats file's content, for callers that commit it together with other outputs."""
+    """The stats file's content, for callers that commit it together with other outputs.
+
+    With `data_digest`, `data_sha256` is its digest (passing both requires them to agree). A
+    `shard` that is complete is not recorded: the file then covers the whole set.
+    """
+    if data_digest is not None:
+        if data_sha256 is not None and data_sha256 != data_digest.hexdigest():
+            raise CalibrationError("data_sha256 does not match the data digest (a qtool bug)")
+        data_sha256 = data_digest.hexdigest()
     index = {
         "format": FORMAT,
         "model_sha256": model_fingerprint,
@@ -57,6 +161,10 @@ def stats_file_bytes(
             for i, s in enumerate(stats)
         ],
     }
+    if data_digest is not None:
+        index["data_digest"] = data_digest.to_json()
+    if shard is not None and not shard.complete:
+        index["shard"] = shard.to_json()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         write_member(archive, "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
@@ -70,10 +178,26 @@ def stats_file_bytes(
 def load_stats(path: Path) -> tuple[dict[str, TensorStats], str]:
     """Return the per-tensor stats and the fingerprint of the model they were collected on.
 
+    A file that covers only some shards of the calibration set is refused: ranges from part of
+    the data would quietly differ from the whole set's (`qtool stats merge` the shards first).
+    """
+    loaded = read_stats_file(path)
+    if loaded.shard is not None:
+        raise CalibrationError(
+            f"{path}: holds shard {loaded.shard.describe()} of the calibration set only; merge "
+            "all the shards with `qtool stats merge` and use the merged file"
+        )
+    return {s.name: s for s in loaded.stats}, loaded.model_sha256
+
+
+def read_stats_file(path: Path) -> StatsFile:
+    """Every field of a stats file, checked.
+
     Every tensor's entry is checked against what the observers write, because the range methods
     trust it: a histogram of another length would be read at the wrong bin width, and a NaN range
     would become a NaN scale in the model.
     """
+    path = Path(path)
     if not path.is_file():
         raise CalibrationError(f"{path}: stats file not found (run `qtool calibrate` first)")
     try:
@@ -85,16 +209,33 @@ def load_stats(path: Path) -> tuple[dict[str, TensorStats], str]:
             bins = index["bins"]
             if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2 or bins % 2:
                 raise CalibrationError(f"{path}: index bins must be an even integer, got {bins!r}")
-            stats = {}
+            stats = []
             for entry in index["tensors"]:
                 counts = np.load(io.BytesIO(archive.read(entry["counts"])), allow_pickle=False)
-                tensor = _checked_tensor(path, entry, counts, bins)
-                stats[tensor.name] = tensor
+                stats.append(_checked_tensor(path, entry, counts, bins))
     except (zipfile.BadZipFile, KeyError, ValueError, TypeError) as exc:
         raise CalibrationError(
             f"{path}: corrupt stats file ({type(exc).__name__}: {exc})"
         ) from None
-    return stats, str(index["model_sha256"])
+    names = [s.name for s in stats]
+    if len(set(names)) != len(names):
+        raise CalibrationError(f"{path}: a tensor is listed twice")
+    data_sha256 = index.get("data_sha256")
+    digest = None
+    if "data_digest" in index:
+        digest = DataDigest.from_json(index["data_digest"], str(path))
+        if data_sha256 != digest.hexdigest():
+            raise CalibrationError(f"{path}: data_sha256 does not match data_digest (edited?)")
+    shard = ShardRecord.from_json(index["shard"], str(path)) if "shard" in index else None
+    return StatsFile(
+        path,
+        stats,
+        str(index["model_sha256"]),
+        bins,
+        data_sha256 if isinstance(data_sha256, str) else None,
+        digest,
+        shard,
+    )
 
 
 def _checked_tensor(path: Path, entry: dict, counts: np.ndarray, bins: int) -> TensorStats:

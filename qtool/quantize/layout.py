@@ -289,7 +289,12 @@ def _quantize_node(
     data_inputs = [name for name in node.input if name]
     if node.op_type in WEIGHTED_OPS:
         reason = _weighted_node(node, graph, spec, chosen, layout)
-        return None if reason is None else ("unsupported", reason)
+        if reason is not None:
+            return "unsupported", reason
+        has_weight = any(name in layout.weights for name in node.input)
+        if not has_weight and chosen.activations == "float":
+            return chosen.source, f"{chosen.reason}: activations float and no constant weight"
+        return None
     if chosen.activations == "float":
         return chosen.source, f"{chosen.reason}: activations float and no weight to store"
     if any(not graph.is_float_activation(name) for name in data_inputs):

@@ -27,6 +27,7 @@ import onnx
 from onnx import helper, inliner, numpy_helper, shape_inference, version_converter
 
 from qtool.errors import ModelError, first_line
+from qtool.external_data import check_model
 
 __all__ = ["TARGET_OPSET", "upgrade_to_opset21"]
 
@@ -35,7 +36,6 @@ _TARGET_IR = helper.find_min_ir_version_for([helper.make_opsetid("", TARGET_OPSE
 _MIN_SOURCE_OPSET = 7  # the oldest opset ONNX Runtime loads
 _DETACH_BYTES = 1024  # tensors above this travel outside the converter; small ones may be read
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-_PROTOBUF_LIMIT = 2**31 - 1
 
 
 def upgrade_to_opset21(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -76,15 +76,13 @@ def upgrade_to_opset21(model: onnx.ModelProto) -> onnx.ModelProto:
 def _check_conversion(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
     """onnx.checker on the result; a failure the original model has too is not the converter's.
 
-    Skipped over protobuf's 2 GB limit (the checker serialises the model).
+    Models over protobuf's 2 GB limit are checked without serializing them (external_data).
     """
-    if converted.ByteSize() >= _PROTOBUF_LIMIT:
-        return
     try:
-        onnx.checker.check_model(converted)
+        check_model(converted)
     except Exception as exc:
         try:
-            onnx.checker.check_model(original)
+            check_model(original)
         except Exception:
             return
         raise ModelError(

@@ -26,11 +26,17 @@ import onnx
 from onnx import version_converter
 
 from qtool.errors import ModelError
+from qtool.external_data import needs_external_data
 from qtool.quantize.fold_bn import fold_batch_norms
 from qtool.quantize.fold_constants import fold_constants
 from qtool.quantize.fuse_gemm import fuse_matmul_add
 from qtool.quantize.graph_edit import delete_indexes, drop_where, subgraph_names
-from qtool.quantize.opset21 import TARGET_OPSET, upgrade_to_opset21
+from qtool.quantize.opset21 import (
+    TARGET_OPSET,
+    _attach,
+    _detach_large_tensors,
+    upgrade_to_opset21,
+)
 from qtool.quantize.shapes import Inference, infer, write_inference
 
 __all__ = ["prepare_model", "tensor_types"]
@@ -40,8 +46,11 @@ __all__ = ["prepare_model", "tensor_types"]
 _MAX_FOLD_ROUNDS = 8
 
 
-def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelProto:
-    """Return a copy of `model` ready for QDQ insertion; `model` itself is not modified.
+def prepare_model(
+    model: onnx.ModelProto, *, min_opset: int = 17, copy: bool = True
+) -> onnx.ModelProto:
+    """Return a copy of `model` ready for QDQ insertion; `model` itself is not modified, unless
+    `copy=False` (a caller that drops `model` anyway: a 2 GB model is then not held twice).
 
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
     into plain weights; remove Identity nodes; fold every node computable from constants (including
@@ -54,8 +63,10 @@ def prepare_model(model: onnx.ModelProto, *, min_opset: int = 17) -> onnx.ModelP
 
     Raises ModelError when the opset cannot be upgraded or a tensor's element type stays unknown.
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    out = model
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     _upgrade_opset(out, min_opset)
     graph = out.graph
     _initializer_inputs_to_weights(graph)
@@ -125,14 +136,18 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
     if min_opset == TARGET_OPSET:  # INT4 / blocked weights: the op-by-op upgrade with its fixes
         model.CopyFrom(upgrade_to_opset21(model))
         return
+    # The converter serializes the model: one over protobuf's limit goes without its weights.
+    detached = _detach_large_tensors(model.graph) if needs_external_data(model) else {}
     try:
         converted = version_converter.convert_version(model, min_opset)
     except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
+        _attach(model.graph, detached)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}: "
             f"{reason}"
         ) from exc
+    _attach(converted.graph, detached)
     if _default_opset(converted) < min_opset:
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}"

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool import external_data
 from qtool.errors import ModelError
 from qtool.quantize.int4 import (
     BlockwiseWeight,
@@ -187,7 +188,7 @@ def write_qdq_model(
         producer_version=_version(),
     )
     quantized_model.ir_version = model.ir_version
-    onnx.checker.check_model(quantized_model)
+    external_data.check_model(quantized_model)  # over 2 GB: checked without serializing it
     return quantized_model
 
 

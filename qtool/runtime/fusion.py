@@ -672,7 +672,10 @@ def fusion_summary(truth: dict[str, NodeRuntime]) -> dict:
 # Fused vs unfused numerics
 
 
-def _sqnr_db(signal: float, noise: float) -> float:
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) of summed squares; inf when identical, -inf for a zero signal.
+
+    The one definition evaluate, verify and analyze report, so their dB figures agree."""
     if noise == 0.0:
         return math.inf
     if signal == 0.0:
@@ -712,4 +715,4 @@ def compare_fused_unfused(
         batches += 1
     if batches == 0:
         raise DataError("compare_fused_unfused needs at least one batch of inputs")
-    return {name: _sqnr_db(signal[name], noise[name]) for name in names}
+    return {name: sqnr_db(signal[name], noise[name]) for name in names}
