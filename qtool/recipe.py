@@ -214,10 +214,14 @@ class QuantizationSpec:
 
     @property
     def may_need_opset21(self) -> bool:
-        """Blocked or 4-bit weights anywhere: DequantizeLinear with block_size / int4 types."""
+        """Blocked or 4-bit weights anywhere: DequantizeLinear with block_size / int4 types.
+        Embedding tables on ort-cpu are always blocked (GatherBlockQuantized, layout.py)."""
         settings = [self.weights] + [o.weights for o in self.overrides]
-        return any(s.bits == 4 or s.granularity == "block" for s in settings) or any(
-            o.precision == "int4" for o in self.overrides
+        blocked_tables = "Gather" in self.op_types and self.target == "ort-cpu"
+        return (
+            blocked_tables
+            or any(s.bits == 4 or s.granularity == "block" for s in settings)
+            or any(o.precision == "int4" for o in self.overrides)
         )
 
     @property

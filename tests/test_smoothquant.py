@@ -350,3 +350,77 @@ def test_sharded_calibration_is_refused_not_merged_wrongly(folder, cli):
     assert result.exit_code == 2, result.output
     assert "smoothquant needs one calibration process" in result.output
     assert not (folder / "out-sharded" / "channels.npz").exists()
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class Embedder(nn.Module):
+    """Token embedding -> LayerNorm with outlier channels -> Linear: the transformer preset's
+    three parts (an int8 table, a smoothed MatMul input folded into the LayerNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.table, self.norm, self.fc = nn.Embedding(64, D), nn.LayerNorm(D), nn.Linear(D, D)
+        with torch.no_grad():
+            self.norm.weight[list(OUTLIERS)] = 25.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(self.table(ids)))
+
+
+def test_transformer_preset_quantizes_tables_and_smooths_at_the_recipes_opset(tmp_path):
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Embedder().eval(),
+            (torch.zeros(1, SEQ, dtype=torch.int64),),
+            buffer,
+            opset_version=17,  # blocked tables need opset 21: preparation must upgrade it
+            dynamo=False,
+            input_names=["ids"],
+            output_names=["y"],
+            dynamic_axes={"ids": {0: "batch"}, "y": {0: "batch"}},
+        )
+    (tmp_path / "embedder.onnx").write_bytes(buffer.getvalue())
+    ids = np.random.default_rng(4).integers(0, 64, size=(48, SEQ)).astype(np.int64)
+    np.savez(tmp_path / "calib.npz", ids=ids)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        f"base: {CONFIGS / 'int8-transformer.yaml'}\n"
+        "model: {onnx: embedder.onnx}\n"
+        f"inputs: {{ids: {{shape: [1, {SEQ}], dtype: int64}}}}\n"
+        "calibration: {data: {npz: calib.npz}, batch_size: 16}\n"
+        "output: {dir: out}\n"
+    )
+    recipe = load_recipe(path)
+    assert recipe.quantization.algorithm("smoothquant") == {"alpha": "auto", "rows": 512}
+    result = quantize(recipe, progress=False)
+    smoothing = result.report["algorithms"]["smoothquant"]
+    assert smoothing["smoothed"] == 1
+    assert smoothing["layers"][0]["divided_by"]["how"] == "LayerNormalization scale and bias"
+    model = onnx.load(str(result.model_path))
+    assert "GatherBlockQuantized" in [n.op_type for n in model.graph.node]
+    outputs = [
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(
+            None, {"ids": ids[:8]}
+        )[0]
+        for p in (recipe.float_model_path, result.model_path)
+    ]
+    assert _sqnr(*outputs) > 25.0
+
+
+def test_cnn_preset_turns_on_bias_correction(tmp_path):
+    (tmp_path / "m.onnx").write_bytes(b"")  # loading a recipe checks only that the file exists
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        f"base: {CONFIGS / 'int8-cnn.yaml'}\n"
+        "model: {onnx: m.onnx}\ninputs: {x: [1, 3, 8, 8]}\n"
+        "calibration: {data: {synthetic: true, samples: 8}}\n"
+    )
+    recipe = load_recipe(path)
+    assert recipe.quantization.algorithm("bias_correction") == {"samples": 256}
+    assert recipe.quantization.algorithm("smoothquant") is None
+    assert recipe.quantization.per_channel and recipe.calibration.method == "mse"
