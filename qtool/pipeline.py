@@ -21,6 +21,8 @@ import onnx
 from qtool import __version__, distributed, external_data, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.gptq import HessianAccumulator
+from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
+from qtool.calibration.channels import ChannelStats, channel_file_bytes, channels_path
 from qtool.calibration.collect import collect
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
@@ -151,6 +153,8 @@ class Calibration:
     files: dict[Path, bytes | Staged]
     data_sha256: str | None
     primary: bool = True  # rank 0 (or the only process): the one that writes the files
+    # SmoothQuant's per-channel statistics from this run (None: read from channels.npz)
+    channels: dict[str, ChannelStats] | None = None
 
 
 def _run_calibration(
@@ -169,10 +173,19 @@ def _run_calibration(
     part = shard.part(group.rank, group.world)
     tensors = prepared.layout.stats_tensors()
     hessian_tensors = prepared.layout.hessian_tensors()
+    observers = channel_observers(recipe, prepared.model, prepared.layout)
     stats: list[TensorStats] = []
     hessians: dict[str, HessianAccumulator] = {}
+    if observers and not part.whole:
+        # min/max per channel would merge exactly, but the row sample SmoothQuant searches alpha
+        # on is chosen by each row's position in the whole stream, which no shard knows.
+        raise CalibrationError(
+            f"{recipe.path}: quantization.algorithms.smoothquant needs one calibration process "
+            f"over all batches (got shard {part}{group.describe()}): its sampled rows cannot be "
+            "merged across shards exactly; calibrate without --shard/torchrun"
+        )
     digest = None
-    if tensors or hessian_tensors:  # weight-only round-to-nearest needs no data at all
+    if tensors or hessian_tensors or observers:  # weight-only round-to-nearest needs no data
         digest = DataDigest()
         batches = iter_batches(
             spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed
@@ -195,6 +208,7 @@ def _run_calibration(
             ),
             progress=progress and group.primary,
             model_dir=model_dir,
+            channel_observers=observers,
         )
         del model
         if prepared.staged is not None and reload:
@@ -214,7 +228,14 @@ def _run_calibration(
         files[recipe.hessians_path] = hessian_file_bytes(
             hessians, prepared.fingerprint, data_sha256
         )
-    return Calibration(stats, hessians, files, data_sha256, group.primary)
+    channels = {observer.name: observer.result() for observer in observers}
+    if observers:
+        files[channels_path(recipe.stats_path)] = channel_file_bytes(
+            channels, prepared.fingerprint, data_sha256
+        )
+    return Calibration(
+        stats, hessians, files, data_sha256, group.primary, channels if observers else None
+    )
 
 
 def calibrate(
@@ -303,6 +324,8 @@ def _quantize(
 ) -> QuantizeResult:
     model_path = recipe.quant_model_path if mixed is None else mixed.model_path
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    # SmoothQuant: the smoothed model and layout, stats for its smoothed inputs (report entry)
+    prepared, calibration, smoothing = apply_smoothquant(recipe, prepared, calibration, stats_path)
     stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
     device = kernels.default_device()
@@ -316,9 +339,10 @@ def _quantize(
     target = recipe.quantization.target
     nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
     correction = recipe.quantization.algorithm("bias_correction")
-    if prepared.staged is not None and correction is None:
+    if prepared.staged is not None and correction is None and smoothing is None:
         # The float weights being replaced are read no more (the writer drops them): read back
         # only the rest from the staged file, so the float model is not held while writing.
+        # (Not after SmoothQuant: the staged file holds the unsmoothed model.)
         prepared.model = model = None  # dropped before the read: never held twice
         prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
 
@@ -329,7 +353,7 @@ def _quantize(
         )
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target, nbits)
-    algorithms = {}
+    algorithms = {} if smoothing is None else {"smoothquant": smoothing}
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(

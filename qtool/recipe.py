@@ -41,7 +41,13 @@ ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "bias_correction",
 ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
     # samples: calibration samples the shift is measured on (the first N of the calibration set)
     "bias_correction": {"samples": 256},
+    # alpha: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the layer's
+    # quantized output error) or one number in [0, 1]; rows: input rows sampled per layer input
+    # in the calibration pass for that search (qtool/algorithms/smoothquant.py)
+    "smoothquant": {"alpha": "auto", "rows": 512},
 }
+SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
+MAX_SMOOTHQUANT_ROWS = 16384
 # Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
 PRECISIONS = ("int4", "int8", "float")
 ACTIVATION_PRECISIONS = ("int8", "float")
@@ -222,10 +228,14 @@ class QuantizationSpec:
 
     @property
     def may_need_opset21(self) -> bool:
-        """Blocked or 4-bit weights anywhere: DequantizeLinear with block_size / int4 types."""
+        """Blocked or 4-bit weights anywhere: DequantizeLinear with block_size / int4 types.
+        Embedding tables on ort-cpu are always blocked (GatherBlockQuantized, layout.py)."""
         settings = [self.weights] + [o.weights for o in self.overrides]
-        return any(s.bits == 4 or s.granularity == "block" for s in settings) or any(
-            o.precision == "int4" for o in self.overrides
+        blocked_tables = "Gather" in self.op_types and self.target == "ort-cpu"
+        return (
+            blocked_tables
+            or any(s.bits == 4 or s.granularity == "block" for s in settings)
+            or any(o.precision == "int4" for o in self.overrides)
         )
 
     @property
@@ -833,7 +843,14 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
         params = dict(ALGORITHM_PARAMS[name])
         given = reader.mapping(entries[name], f"{where}.{name}", set(params))
         for key, value in given.items():
-            params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)
+            if (name, key) == ("smoothquant", "alpha"):
+                params[key] = _read_alpha(reader, value, f"{where}.{name}.{key}")
+            elif (name, key) == ("smoothquant", "rows"):  # rows x K floats kept per layer input
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SMOOTHQUANT_ROWS
+                )
+            else:
+                params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)
         chosen.append((name, params))
     unknown = sorted(set(entries) - set(ALGORITHM_ORDER))
     if unknown:
@@ -841,6 +858,17 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
             f"{where}.{unknown[0]}", f"unknown algorithm (known: {', '.join(ALGORITHM_ORDER)})"
         )
     return tuple(chosen)
+
+
+def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:
+    """SmoothQuant's alpha: "auto" or a number in [0, 1] (0 leaves the layer unsmoothed)."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise reader.fail(where, f"must be auto or a number in [0, 1], got {_show(value)}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise reader.fail(where, f"must be in [0, 1], got {_show(value)}")
+    return float(value)
 
 
 def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:

@@ -15,6 +15,9 @@ Hessians for GPTQ ride on the same pass: a MatMul input [..., K] that is named i
 `hessian_tensors` is fetched with the observed tensors (each fetched once when it is both) and
 added to its running XᵀX, one K x K float64 matrix per tensor. The batch is cast to float64 for
 that product and dropped before the next batch, so memory stays flat in the sample count.
+
+SmoothQuant's per-channel min/max and row samples ride on it too (`channel_observers`,
+qtool/calibration/channels.py): each observer's tensor is fetched with the others, once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from qtool import external_data
 from qtool.algorithms.gptq import HessianAccumulator
+from qtool.calibration.channels import ChannelObserver
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data import Batch
 from qtool.errors import CalibrationError, ModelError
@@ -110,6 +114,7 @@ def collect(
     progress: bool = True,
     threads: int | None = None,
     model_dir: Path | None = None,
+    channel_observers: Sequence[ChannelObserver] = (),
 ) -> tuple[list[TensorStats], dict[str, HessianAccumulator]]:
     """Statistics for each of `tensors` (in the given order) and XᵀX of each of
     `hessian_tensors` (keyed by name, in the given order), from one ORT run per batch.
@@ -118,10 +123,14 @@ def collect(
     same batches give the same bytes whatever the device. `model_dir`: the folder that `model`'s
     external data references are relative to, for a model whose weights stay on disk (over 2 GB:
     see qtool.external_data); the model with the extra outputs is written there, since ONNX
-    Runtime reads external data only from the model file's own folder.
+    Runtime reads external data only from the model file's own folder. Each of
+    `channel_observers` (per-channel statistics for SmoothQuant) is updated in place with its
+    tensor from the same runs.
     """
     hessian_names = list(dict.fromkeys(hessian_tensors))
-    fetch = list(dict.fromkeys([*tensors, *hessian_names]))  # a tensor in both is fetched once
+    channel_names = [observer.name for observer in channel_observers]
+    # a tensor wanted more than once is fetched once
+    fetch = list(dict.fromkeys([*tensors, *hessian_names, *channel_names]))
     where = {name: i for i, name in enumerate(fetch)}
     accumulators = _hessian_accumulators(model, hessian_names)
     with (
@@ -174,6 +183,8 @@ def collect(
                         )
                     accumulator = accumulators[name] = HessianAccumulator(array.shape[-1], name)
                 accumulator.update(array)
+            for channel_observer in channel_observers:
+                channel_observer.update(values[where[channel_observer.name]])
             del values  # free this batch's outputs before ORT allocates the next batch's
             bar.advance(task, len(batch))
     stats = [observer.result() for observer in observers]
