@@ -325,7 +325,12 @@ def _quantize(
     model_path = recipe.quant_model_path if mixed is None else mixed.model_path
     calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
     # SmoothQuant: the smoothed model and layout, stats for its smoothed inputs (report entry)
-    prepared, calibration, smoothing = apply_smoothquant(recipe, prepared, calibration, stats_path)
+    smoothing = None
+    if recipe.quantization.algorithm("smoothquant") is not None:
+        with phase("SmoothQuant"):  # alpha search per layer input, then the smoothed model
+            prepared, calibration, smoothing = apply_smoothquant(
+                recipe, prepared, calibration, stats_path
+            )
     stats = {s.name: s for s in calibration.stats}
     layout, model = prepared.layout, prepared.model
     device = kernels.default_device()

@@ -270,19 +270,23 @@ def layer_errors(
     members: tuple[Member, ...],
     scale: np.ndarray,
     symmetric: bool,
+    references: list[np.ndarray] | None = None,
 ) -> dict[str, float]:
     """Relative output error (sum |Y - Yq|^2 / sum |Y|^2) of each member, and "total" over all,
-    on the sampled rows, with X / s and diag(s) W quantized as qtool writes them."""
+    on the sampled rows, with X / s and diag(s) W quantized as qtool writes them.
+
+    `references`: each member's float output X W (float64) when the caller has it: it is the
+    same for every s, and computing it once halves an alpha search."""
     x = stats.sample
     inverse = (np.float32(1.0) / scale).astype(np.float32)
     smoothed = (x * inverse).astype(np.float32)
     low, high = smoothed_range(stats, inverse)
     xq = _fake_quantize_activation(smoothed, low, high, symmetric)
-    x64 = x.astype(np.float64)
+    if references is None:
+        references = float_outputs(stats, weights)
     errors: dict[str, float] = {}
     total_err = total_ref = 0.0
-    for member, w in zip(members, weights, strict=True):
-        reference = x64 @ w.astype(np.float64)
+    for member, w, reference in zip(members, weights, references, strict=True):
         scaled = (w * scale[:, None]).astype(np.float32)
         quantized = xq @ _fake_quantize_weight(scaled, member.per_channel)
         err = float(np.sum((reference - quantized) ** 2))
@@ -292,6 +296,12 @@ def layer_errors(
         total_ref += ref
     errors["total"] = total_err / total_ref if total_ref > 0 else total_err
     return errors
+
+
+def float_outputs(stats: ChannelStats, weights: list[np.ndarray]) -> list[np.ndarray]:
+    """Each weight's float output X W on the sampled rows, in float64."""
+    x64 = stats.sample.astype(np.float64)
+    return [x64 @ w.astype(np.float64) for w in weights]
 
 
 def search_alpha(
@@ -308,9 +318,12 @@ def search_alpha(
     errors: dict[float, float] = {}
     node_errors: dict[float, dict[str, float]] = {}
     scales: dict[float, np.ndarray] = {}
+    references = float_outputs(stats, weights)
     for a in dict.fromkeys((0.0, *candidates)):
         scales[a] = smoothing_scale(stats.absmax, absmax_w, a)
-        node_errors[a] = layer_errors(stats, weights, members, scales[a], symmetric)
+        node_errors[a] = layer_errors(
+            stats, weights, members, scales[a], symmetric, references
+        )
         errors[a] = node_errors[a].pop("total")
     best = min(errors, key=lambda a: (errors[a], a))  # ties: the smaller alpha
     if best == 0.0 or errors[best] >= errors[0.0]:
