@@ -36,7 +36,6 @@ from qtool.quantize.low_bit import quantize_low_bit
 from qtool.quantize.params import activation_params
 from qtool.recipe import load_recipe
 from qtool.runtime.fusion import FUSED, fusion_truth
-from tests.conftest import run_cli
 
 MODEL_SOURCE = textwrap.dedent(
     """
@@ -288,7 +287,7 @@ def test_bad_qat_settings_name_the_key(tmp_path, qat, message):
         load_recipe(_case(tmp_path, qat))
 
 
-def test_an_onnx_source_is_refused_with_exit_2(tmp_path, int8_run):
+def test_an_onnx_source_is_refused_with_exit_2(tmp_path, int8_run, cli):
     recipe, _ = int8_run
     folder = tmp_path / "onnx"
     folder.mkdir()
@@ -297,7 +296,7 @@ def test_an_onnx_source_is_refused_with_exit_2(tmp_path, int8_run):
         f"model: {{onnx: {recipe.float_model_path}}}\ninputs: {{image: [1, 1, 8, 8]}}\n"
         "calibration: {data: {python: data.py:calibration}}\n"
     )
-    result = run_cli("qat", folder / "recipe.yaml", "--no-progress")
+    result = cli("qat", folder / "recipe.yaml", "--no-progress")
     assert result.exit_code == 2
     assert "qtool qat trains PyTorch models" in result.output
 

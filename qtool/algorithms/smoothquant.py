@@ -321,9 +321,7 @@ def search_alpha(
     references = float_outputs(stats, weights)
     for a in dict.fromkeys((0.0, *candidates)):
         scales[a] = smoothing_scale(stats.absmax, absmax_w, a)
-        node_errors[a] = layer_errors(
-            stats, weights, members, scales[a], symmetric, references
-        )
+        node_errors[a] = layer_errors(stats, weights, members, scales[a], symmetric, references)
         errors[a] = node_errors[a].pop("total")
     best = min(errors, key=lambda a: (errors[a], a))  # ties: the smaller alpha
     if best == 0.0 or errors[best] >= errors[0.0]:
