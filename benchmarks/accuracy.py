@@ -85,10 +85,19 @@ def run_qtool(recipe: Recipe) -> tuple[Path, Path]:
     return recipe.float_model_path, result.model_path
 
 
-def run_ort(fp32: Path, batches: list[Batch], method: str, op_types: list[str], out: Path) -> Path:
+def run_ort(
+    fp32: Path,
+    batches: list[Batch],
+    method: str,
+    op_types: list[str],
+    out: Path,
+    skip_symbolic_shape: bool = False,
+) -> Path:
     """ORT's documented flow: quant_pre_process, then quantize_static with the settings that match
     qtool's ort-cpu target (QDQ, uint8 activations, int8 per-channel weights, same op types);
-    every other option at ORT's default (entropy: 128 bins; percentile: 2048 bins, symmetric)."""
+    every other option at ORT's default (entropy: 128 bins; percentile: 2048 bins, symmetric).
+    `skip_symbolic_shape`: ORT's symbolic shape inference fails on some opset-21 graphs (an
+    Expand that int8 embedding tables need), so pre-processing can leave it out."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -117,7 +126,7 @@ def run_ort(fp32: Path, batches: list[Batch], method: str, op_types: list[str], 
     model = out / "model.int8.onnx"
     # ORT's calibrators print their progress with print(): keep it out of the table, in a log.
     with open(out / "ort.log", "w") as log, contextlib.redirect_stdout(log):
-        quant_pre_process(str(fp32), str(pre))
+        quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=skip_symbolic_shape)
         quantize_static(
             str(pre),
             str(model),

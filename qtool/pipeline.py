@@ -371,16 +371,7 @@ def _quantize(
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     if prepared.staged is not None:  # its float weights are on disk, staged: no longer needed
         prepared.model = model = None
-    provenance.stamp(
-        quantized,
-        {
-            provenance.VERSION: __version__,
-            provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
-            provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
-            provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
-            provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
-        },
-    )
+    stamp_provenance(quantized, recipe, prepared, calibration)
     staged = None
     try:
         source: bytes | Path
@@ -448,6 +439,22 @@ def _quantize(
         if staged is not None:
             staged.discard()
     return QuantizeResult(model_path, recipe.report_path, report, verification.warnings)
+
+
+def stamp_provenance(
+    quantized: onnx.ModelProto, recipe: Recipe, prepared: PreparedModel, calibration: Calibration
+) -> None:
+    """Record in `quantized` what it was made from, so `evaluate` can refuse a foreign FP32."""
+    provenance.stamp(
+        quantized,
+        {
+            provenance.VERSION: __version__,
+            provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
+            provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
+            provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
+            provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
+        },
+    )
 
 
 def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:

@@ -14,59 +14,13 @@ ORT's own SmoothQuant option needs Intel Neural Compressor, which this environme
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from pathlib import Path
 
-from benchmarks.accuracy import PERCENTILE, calibration_batches, equal_batch_size, evaluation_pairs
+from benchmarks.accuracy import calibration_batches, equal_batch_size, evaluation_pairs, run_ort
 from qtool.evaluate import evaluate_models
 from qtool.recipe import load_recipe
-
-
-def run_ort(fp32: Path, batches: list, method: str, op_types: list[str], out: Path) -> Path:
-    """benchmarks/accuracy.py's ORT flow, but quant_pre_process without ORT's symbolic shape
-    inference, which fails on the opset-21 graph (an Expand) that int8 tables need."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quant_pre_process,
-        quantize_static,
-    )
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self._it = iter(batches)
-
-        def get_next(self) -> dict | None:
-            batch = next(self._it, None)
-            return None if batch is None else batch.inputs
-
-    calibrate_method = {
-        "minmax": CalibrationMethod.MinMax,
-        "entropy": CalibrationMethod.Entropy,
-        "percentile": CalibrationMethod.Percentile,
-    }[method]
-    extra = {"CalibPercentile": PERCENTILE} if method == "percentile" else {}
-    out.mkdir(parents=True, exist_ok=True)
-    pre, model = out / "model.preprocessed.onnx", out / "model.int8.onnx"
-    with open(out / "ort.log", "w") as log, contextlib.redirect_stdout(log):
-        quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-        quantize_static(
-            str(pre),
-            str(model),
-            Reader(),
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=op_types,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=calibrate_method,
-            extra_options=extra,
-        )
-    return model
 
 
 def main() -> None:
@@ -86,7 +40,10 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         start = time.perf_counter()
-        model = run_ort(fp32, batches, method, op_types, args.out / method)
+        # ORT's symbolic shape inference fails on the opset-21 graph int8 tables need.
+        model = run_ort(
+            fp32, batches, method, op_types, args.out / method, skip_symbolic_shape=True
+        )
         seconds = time.perf_counter() - start
         result = evaluate_models(
             fp32, model, evaluation_pairs(recipe), latency_runs=5, progress=False

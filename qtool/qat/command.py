@@ -19,14 +19,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from qtool import __version__, distributed, kernels, provenance
+from qtool import distributed, kernels
 from qtool.data import iter_batches
 from qtool.errors import ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.models import build_pytorch_module, check_inputs, export_module, fit_ir_version
 from qtool.ort_session import create_session
 from qtool.phases import phase
-from qtool.pipeline import PreparedModel, _run_calibration, _source_sha256, _verify_feeds
+from qtool.pipeline import (
+    PreparedModel,
+    _run_calibration,
+    _source_sha256,
+    _verify_feeds,
+    stamp_provenance,
+)
 from qtool.qat import export
 from qtool.qat.fold import fold_batchnorm
 from qtool.qat.instrument import FakeQuantModel
@@ -245,16 +251,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         quantized = write_qdq_model(
             trained_model, layout, activations, weights, biases, recipe.quantization.target, nbits
         )
-        provenance.stamp(
-            quantized,
-            {
-                provenance.VERSION: __version__,
-                provenance.FLOAT_MODEL_SHA256: prepared.fingerprint,
-                provenance.SOURCE_MODEL_SHA256: prepared.source_sha256,
-                provenance.RECIPE_SHA256: provenance.sha256_file(recipe.path),
-                provenance.CALIBRATION_DATA_SHA256: calibration.data_sha256 or "none",
-            },
-        )
+        stamp_provenance(quantized, recipe, prepared, calibration)
         source = quantized.SerializeToString()
     try:
         create_session(source)

@@ -93,6 +93,7 @@ def write_qdq_model(
     }
     transposed = {name for name, slot in layout.weights.items() if slot.transposed}
     nbits = {} if nbits_level is None else _nbits_readers(graph, low_bit, transposed)
+    dims = {i.name: list(i.dims) for i in graph.initializer} if nbits else {}  # Gemm biases
     for name, bw in sorted(low_bit.items()):
         if name in nbits:
             new_initializers.extend(nbits_initializers(name, bw))
@@ -170,7 +171,7 @@ def write_qdq_model(
             _set_int_attribute(rewritten, "transB", 0)
         if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
             weight = node.input[1]
-            body.extend(_nbits_nodes(rewritten, weight, low_bit[weight], graph, nbits_level))
+            body.extend(_nbits_nodes(rewritten, weight, low_bit[weight], dims, nbits_level))
         elif node.op_type == "Gemm" and _blocked_weight(node, low_bit):
             body.extend(_split_gemm_bias(rewritten))
         else:
@@ -235,7 +236,7 @@ def _nbits_nodes(
     node: onnx.NodeProto,
     weight: str,
     bw: BlockwiseWeight,
-    graph: onnx.GraphProto,
+    dims: dict[str, list[int]],
     accuracy_level: int,
 ) -> list[onnx.NodeProto]:
     """MatMulNBits for `node`, plus an Add when a Gemm bias is not the [N] vector it can take."""
@@ -243,15 +244,9 @@ def _nbits_nodes(
     if not bias:
         return [matmul_nbits_node(node, weight, bw, None, accuracy_level)]
     original = node.input[2].removesuffix("_dequantized")
-    init = next((i for i in graph.initializer if i.name in (bias, original)), None)
-    if init is not None and list(init.dims) == [bw.values.shape[1]]:
+    if dims.get(bias, dims.get(original)) == [bw.values.shape[1]]:
         return [matmul_nbits_node(node, weight, bw, bias, accuracy_level)]
-    product = onnx.NodeProto()
-    product.CopyFrom(node)
-    product.output[0] = f"{node.output[0]}_before_bias"
-    add = helper.make_node(
-        "Add", [product.output[0], bias], [node.output[0]], name=f"{node.name}_bias_Add"
-    )
+    product, add = _split_gemm_bias(node)  # nbits_blocker admitted only beta == 1
     return [matmul_nbits_node(product, weight, bw, None, accuracy_level), add]
 
 
