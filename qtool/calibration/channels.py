@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.calibration.archive import write_member
+from qtool.calibration.archive import load_entries, write_member
 from qtool.errors import CalibrationError, DataError
 from qtool.io import atomic_write_bytes
 
@@ -254,15 +254,6 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> ChannelS
     return ChannelStats(name, low, high, rows, sample, where)
 
 
-def _read_index(path: Path, archive: zipfile.ZipFile) -> object:
-    try:
-        return json.loads(archive.read("index.json"))
-    except KeyError:
-        raise CalibrationError(f"{path}: corrupt channel file (no index.json)") from None
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: corrupt channel file (index.json: {exc})") from None
-
-
 def load_channels(
     path: Path, model_fingerprint: str, data_sha256: str | None = None
 ) -> dict[str, ChannelStats]:
@@ -274,30 +265,8 @@ def load_channels(
             f"{path}: per-channel statistics not found (SmoothQuant needs the file `qtool "
             "calibrate` writes with this recipe; re-run it)"
         )
-    try:
-        with zipfile.ZipFile(path) as archive:
-            index = _read_index(path, archive)
-            if not isinstance(index, dict) or index.get("format") != FORMAT:
-                found = index.get("format") if isinstance(index, dict) else None
-                raise CalibrationError(f"{path}: not a qtool channel file (format {found!r})")
-            if index.get("model_sha256") != model_fingerprint:
-                raise CalibrationError(
-                    f"{path}: collected on a different model than the one being quantized "
-                    "(re-run `qtool calibrate`)"
-                )
-            if data_sha256 is not None and index.get("data_sha256") != data_sha256:
-                raise CalibrationError(
-                    f"{path}: collected on other calibration data than the stats file beside it "
-                    "(re-run `qtool calibrate`)"
-                )
-            if not isinstance(index.get("tensors"), list):
-                raise CalibrationError(f"{path}: corrupt channel file (no tensor list)")
-            stats: dict[str, ChannelStats] = {}
-            for entry in index["tensors"]:
-                read = _read_entry(path, archive, entry)
-                if read.name in stats:
-                    raise CalibrationError(f"{path}: tensor {read.name!r} is listed twice")
-                stats[read.name] = read
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise CalibrationError(f"{path}: corrupt channel file ({exc})") from None
-    return stats
+
+    def read(archive: zipfile.ZipFile, index: dict, entry: object) -> ChannelStats:
+        return _read_entry(path, archive, entry)
+
+    return load_entries(path, "channel", FORMAT, model_fingerprint, read, data_sha256)

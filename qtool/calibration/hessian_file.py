@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from qtool.algorithms.gptq import HessianAccumulator
-from qtool.calibration.archive import write_member
+from qtool.calibration.archive import index_field, load_entries, write_member
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
 
 FORMAT = "qtool-hessians/1"
+_KIND = "Hessian"
 _LAYOUT = "upper triangle, row by row, float64"
 
 
@@ -113,21 +114,6 @@ def hessian_file_bytes(
     return buffer.getvalue()
 
 
-def _read_index(path: Path, archive: zipfile.ZipFile) -> dict:
-    try:
-        index = json.loads(archive.read("index.json"))
-    except KeyError:
-        raise CalibrationError(f"{path}: corrupt Hessian file (no index.json)") from None
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: corrupt Hessian file (index.json: {exc})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        found = index.get("format") if isinstance(index, dict) else None
-        raise CalibrationError(f"{path}: not a qtool Hessian file (format {found!r})")
-    if index.get("layout") != _LAYOUT or not isinstance(index.get("tensors"), list):
-        raise CalibrationError(f"{path}: corrupt Hessian file (layout or tensor list)")
-    return index
-
-
 def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianAccumulator:
     """One tensor's accumulator, every field and the array checked against what XᵀX must be."""
     name = entry.get("name") if isinstance(entry, dict) else None
@@ -171,32 +157,18 @@ def load_hessians(path: Path, model_fingerprint: str) -> dict[str, HessianAccumu
     path = Path(path)
     if not path.is_file():
         raise CalibrationError(f"{path}: Hessian file not found (run `qtool calibrate` first)")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            index = _read_index(path, archive)
-            if index.get("model_sha256") != model_fingerprint:
-                raise CalibrationError(
-                    f"{path}: collected on a different model than the one being quantized "
-                    "(re-run `qtool calibrate`)"
-                )
-            hessians: dict[str, HessianAccumulator] = {}
-            for entry in index["tensors"]:
-                acc = _read_entry(path, archive, entry)
-                if acc.name in hessians:
-                    raise CalibrationError(f"{path}: tensor {acc.name!r} is listed twice")
-                hessians[acc.name] = acc
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise CalibrationError(f"{path}: corrupt Hessian file ({exc})") from None
-    return hessians
+
+    def read(archive: zipfile.ZipFile, index: dict, entry: object) -> HessianAccumulator:
+        if index.get("layout") != _LAYOUT:
+            raise CalibrationError(f"{path}: corrupt Hessian file (layout {index.get('layout')!r})")
+        return _read_entry(path, archive, entry)
+
+    return load_entries(path, _KIND, FORMAT, model_fingerprint, read)
 
 
 def hessian_data_sha256(path: Path) -> str | None:
     """The calibration data fingerprint a Hessian file records (None when it records none)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            value = _read_index(Path(path), archive).get("data_sha256")
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise CalibrationError(f"{path}: corrupt Hessian file ({exc})") from None
+    value = index_field(Path(path), _KIND, FORMAT, "data_sha256")
     return value if isinstance(value, str) else None
 
 
