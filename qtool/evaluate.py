@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -554,11 +554,14 @@ def _model_bytes(path: Path, proto: onnx.ModelProto) -> int:
 # Latency
 
 
-def _latency_feed(
-    inputs: Mapping[str, np.ndarray], specs: list[_InputSpec]
+def latency_feed(
+    inputs: Mapping[str, np.ndarray], input_shapes: Iterable[Sequence]
 ) -> tuple[dict[str, np.ndarray], int]:
-    """The first sample of the first batch, or the whole batch when the batch axis is fixed > 1."""
-    fixed = {s.shape[0] for s in specs if s.shape and isinstance(s.shape[0], int)}
+    """The first sample of the first batch, or the whole batch when the batch axis is fixed > 1.
+
+    `input_shapes`: the model's input shapes as ONNX Runtime reports them (ints for fixed
+    dims), read from the model rather than found by trying a run that may fail."""
+    fixed = {shape[0] for shape in input_shapes if shape and isinstance(shape[0], int)}
     if fixed and fixed != {1}:
         # The model cannot run a single sample; time its fixed batch and say so in the result.
         batch = next(iter(inputs.values())).shape[0]
@@ -722,7 +725,7 @@ def evaluate_models(
     if gap is not None:
         warnings.append(gap)
 
-    feed, latency_batch = _latency_feed(first_inputs, ref_specs)
+    feed, latency_batch = latency_feed(first_inputs, [spec.shape for spec in ref_specs])
     (ref_med, ref_p90), (q_med, q_p90) = measure_latency(
         [ref_session, sessions["fused"]], feed, latency_runs
     )

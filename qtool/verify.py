@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.evaluate import measure_latency
+from qtool.evaluate import latency_feed, measure_latency
 from qtool.ort_session import create_session
 from qtool.plan import NodePlan, Plan
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
@@ -88,11 +88,7 @@ def low_bit_speed(
 ) -> dict:
     """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1."""
     sessions = [create_session(m, threads=threads) for m in (float_model, quantized)]
-    single = {name: np.ascontiguousarray(a[:1]) for name, a in feed.items()}
-    try:
-        sessions[0].run(None, single)
-    except Exception:  # a model with a fixed batch axis > 1: time its whole batch
-        single = {name: np.ascontiguousarray(a) for name, a in feed.items()}
+    single, _ = latency_feed(feed, [i.shape for i in sessions[0].get_inputs()])
     (fp32_ms, _), (quant_ms, _) = measure_latency(sessions, single, SPEED_RUNS)
     speedup = fp32_ms / quant_ms if quant_ms > 0 else float("inf")
     verdict = "faster" if speedup >= FASTER_MARGIN else "only smaller: no speed-up on this CPU"
