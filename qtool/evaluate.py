@@ -35,7 +35,7 @@ from qtool import provenance
 from qtool.errors import DataError, ModelError
 from qtool.ort_session import create_session
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
-from qtool.runtime.fusion import sqnr_db
+from qtool.runtime.fusion import SignalNoise
 from qtool.runtime.low_bit import (
     ACCURACY_LEVEL_KEY,
     ACCURACY_LEVELS,
@@ -476,12 +476,11 @@ def _output_names(
 # Metrics
 
 
-class _Fidelity:
+class Fidelity(SignalNoise):
     """Streaming accumulators for one output of one variant, so memory stays flat."""
 
     def __init__(self) -> None:
-        self.signal = 0.0
-        self.noise = 0.0
+        super().__init__()
         self.cosine_sum = 0.0
         self.samples = 0
         self.agree = 0
@@ -489,10 +488,9 @@ class _Fidelity:
         self.correct = 0
 
     def update(self, ref: np.ndarray, quant: np.ndarray, labels: np.ndarray | None) -> None:
+        super().update(ref, quant)
         ref64 = ref.astype(np.float64)
         q64 = quant.astype(np.float64)
-        self.signal += float(np.sum(ref64 * ref64))
-        self.noise += float(np.sum((ref64 - q64) ** 2))
 
         n = ref64.shape[0] if ref64.ndim else 1
         self.cosine_sum += float(np.sum(_cosine_rows(ref64.reshape(n, -1), q64.reshape(n, -1))))
@@ -505,9 +503,6 @@ class _Fidelity:
             self.predictions += top_ref.size
             if labels is not None:
                 self.correct += int(np.count_nonzero(top_q == labels))
-
-    def sqnr_db(self) -> float:
-        return sqnr_db(self.signal, self.noise)
 
     def metrics(self, labelled: bool) -> VariantMetrics:
         agreement = self.agree / self.predictions if self.predictions else None
@@ -656,7 +651,7 @@ def evaluate_models(
             f"(outputs: {', '.join(names)})"
         )
 
-    fidelity = {(v, n): _Fidelity() for v in VARIANTS for n in names}
+    fidelity = {(v, n): Fidelity() for v in VARIANTS for n in names}
     fp32_correct = 0
     has_labels: bool | None = None
     first_inputs: Mapping[str, np.ndarray] | None = None

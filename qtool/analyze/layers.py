@@ -16,7 +16,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import helper
 
@@ -24,7 +23,7 @@ from qtool.data import Batch
 from qtool.ort_session import create_session
 from qtool.plan import Plan
 from qtool.quantize.prepare import tensor_types
-from qtool.runtime.fusion import sqnr_db
+from qtool.runtime.fusion import SignalNoise
 
 
 @dataclass(frozen=True)
@@ -44,21 +43,6 @@ class LayerScore:
         if math.isinf(self.sqnr_in_db):
             return math.inf
         return self.sqnr_in_db - self.sqnr_out_db
-
-
-class _Energy:
-    def __init__(self) -> None:
-        self.signal = 0.0
-        self.noise = 0.0
-
-    def update(self, ref: np.ndarray, value: np.ndarray) -> None:
-        ref64 = np.asarray(ref, np.float64)
-        diff = ref64 - np.asarray(value, np.float64)
-        self.signal += float(np.sum(ref64 * ref64))
-        self.noise += float(np.sum(diff * diff))
-
-    def sqnr_db(self) -> float:
-        return sqnr_db(self.signal, self.noise)
 
 
 def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes:
@@ -118,7 +102,7 @@ def layer_sqnr(
     quant_session = create_session(
         _with_outputs(quant_model, quant_names), threads=threads, optimize=False
     )
-    energy = {key: _Energy() for key in pairs}
+    energy = {key: SignalNoise() for key in pairs}
     for batch in batches:
         ref = dict(zip(float_names, float_session.run(float_names, batch.inputs), strict=True))
         got = dict(zip(quant_names, quant_session.run(quant_names, batch.inputs), strict=True))

@@ -18,7 +18,7 @@ import numpy as np
 
 from qtool.data import Batch
 from qtool.errors import DataError, ModelError, RecipeError
-from qtool.evaluate import _Fidelity
+from qtool.evaluate import Fidelity
 from qtool.ort_session import create_session
 from qtool.recipe import EvaluationSpec
 
@@ -149,7 +149,7 @@ class Scorer:
     def score(self, model: bytes) -> Score:
         """Run `model` fused over the analysis batches and compare its gated output."""
         session = create_session(model, threads=self.threads, optimize=True)
-        fidelity = _Fidelity()
+        fidelity = Fidelity()
         for ref, batch in zip(self.reference, self.batches, strict=True):
             out = session.run([self.metric.output], batch.inputs)[0]
             if out.shape != ref.shape:

@@ -685,6 +685,24 @@ def sqnr_db(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
+class SignalNoise:
+    """Summed squares of a reference and of its error, accumulated batch by batch (float64),
+    so an SQNR over a whole data set needs no more memory than one batch."""
+
+    def __init__(self) -> None:
+        self.signal = 0.0
+        self.noise = 0.0
+
+    def update(self, ref: np.ndarray, value: np.ndarray) -> None:
+        ref64 = np.asarray(ref, np.float64)
+        diff = ref64 - np.asarray(value, np.float64)
+        self.signal += float(np.sum(ref64 * ref64))
+        self.noise += float(np.sum(diff * diff))
+
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+
 def compare_fused_unfused(
     quantized: bytes | Path, feeds: Iterable[dict[str, np.ndarray]], threads: int = 1
 ) -> dict[str, float]:
