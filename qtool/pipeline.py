@@ -20,6 +20,7 @@ import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
+from qtool.algorithms.cle import equalize
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
 from qtool.calibration.channels import ChannelStats, channel_file_bytes, channels_path
@@ -67,6 +68,8 @@ class PreparedModel:
     source_sha256: str
     # Models over the protobuf limit: the float model written as external data, not committed.
     staged: external_data.StagedModel | None = None
+    # Cross-layer equalization's report entry, when the recipe turns it on (done in prepare)
+    equalization: dict | None = None
 
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
         """The float model file(s) to commit at `path` (the path given to prepare)."""
@@ -115,6 +118,10 @@ def prepare(recipe: Recipe) -> PreparedModel:
     with phase("preparing graph"):  # in place: a model over 2 GB must not be held twice
         model = prepare_model(loaded, min_opset=min_opset, copy=False)
     del loaded
+    equalization = None
+    if recipe.quantization.algorithm("cross_layer_equalization") is not None:
+        with phase("cross-layer equalization"):  # before calibration: ranges of what is run
+            equalization = equalize(model, recipe.quantization.per_channel)
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }
@@ -134,13 +141,17 @@ def prepare(recipe: Recipe) -> PreparedModel:
             staged = external_data.stage_model(model, recipe.float_model_path)
             del model
             model = staged.load()
-        return PreparedModel(model, None, staged.sha256, layout, source_sha256, staged)
+        return PreparedModel(
+            model, None, staged.sha256, layout, source_sha256, staged, equalization
+        )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
-    return PreparedModel(model, serialized, fingerprint, layout, source_sha256)
+    return PreparedModel(
+        model, serialized, fingerprint, layout, source_sha256, equalization=equalization
+    )
 
 
 @dataclass
@@ -358,7 +369,11 @@ def _quantize(
         )
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target, nbits)
-    algorithms = {} if smoothing is None else {"smoothquant": smoothing}
+    algorithms = {}
+    if prepared.equalization is not None:
+        algorithms["cross_layer_equalization"] = prepared.equalization
+    if smoothing is not None:
+        algorithms["smoothquant"] = smoothing
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(

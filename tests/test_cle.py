@@ -1,0 +1,157 @@
+"""Cross-layer equalization: exact on the float model, equal channel ranges, lower per-tensor
+INT8 error on a depthwise chain built with badly mismatched channels, near misses reported."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
+from qtool.pipeline import prepare
+from qtool.recipe import load_recipe
+
+CHANNELS = 8
+
+
+def _chain(middle: str = "Relu", seed: int = 0) -> onnx.ModelProto:
+    """Conv 3x3 (8 ch) -> act -> depthwise 3x3 -> Relu -> Conv 1x1, channels 3 decades apart."""
+    rng = np.random.default_rng(seed)
+    spread = np.logspace(-1.5, 1.5, CHANNELS).astype(np.float32)
+    w1 = rng.normal(size=(CHANNELS, 3, 3, 3)).astype(np.float32) * spread[:, None, None, None]
+    b1 = rng.normal(size=CHANNELS).astype(np.float32) * spread
+    dw = rng.normal(size=(CHANNELS, 1, 3, 3)).astype(np.float32) / spread[:, None, None, None]
+    bdw = rng.normal(size=CHANNELS).astype(np.float32) * 0.1
+    w3 = rng.normal(size=(4, CHANNELS, 1, 1)).astype(np.float32)
+    b3 = np.zeros(4, np.float32)
+    inits = [
+        numpy_helper.from_array(a, n)
+        for a, n in [(w1, "w1"), (b1, "b1"), (dw, "dw"), (bdw, "bdw"), (w3, "w3"), (b3, "b3")]
+    ]
+    if middle == "Clip":
+        inits += [numpy_helper.from_array(np.float32(v), n) for v, n in [(0, "lo"), (6, "hi")]]
+        act = helper.make_node("Clip", ["y1", "lo", "hi"], ["a1"], name="act1")
+    else:
+        act = helper.make_node(middle, ["y1"], ["a1"], name="act1")
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="conv1", pads=[1, 1, 1, 1]),
+        act,
+        helper.make_node(
+            "Conv", ["a1", "dw", "bdw"], ["y2"], name="dw", pads=[1, 1, 1, 1], group=CHANNELS
+        ),
+        helper.make_node("Relu", ["y2"], ["a2"], name="act2"),
+        helper.make_node("Conv", ["a2", "w3", "b3"], ["y"], name="conv3"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 10, 10])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4, 10, 10])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+def _per_tensor_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every Conv weight rounded to one symmetric INT8 grid for the whole tensor."""
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    for init in rounded.graph.initializer:
+        if init.name in {"w1", "dw", "w3"}:
+            w = numpy_helper.to_array(init)
+            step = np.abs(w).max() / 127
+            init.CopyFrom(
+                numpy_helper.from_array((np.round(w / step) * step).astype(np.float32), init.name)
+            )
+    return rounded
+
+
+def _input() -> np.ndarray:
+    return np.random.default_rng(1).normal(size=(2, 3, 10, 10)).astype(np.float32)
+
+
+def test_the_float_function_is_unchanged_and_both_pairs_are_equalized():
+    model, x = _chain(), _input()
+    want = _run(model, x)
+    entry = equalize(model, per_channel=False)
+    got = _run(model, x)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    assert [(p["first"], p["second"]) for p in entry["pairs"]] == [("conv1", "dw"), ("dw", "conv3")]
+    assert entry["pairs"][0]["depthwise"] == [False, True]
+    assert all(p["range_spread_after"] < p["range_spread_before"] for p in entry["pairs"])
+    # After the turns settle, each pair's channel ranges match (the middle layer is shared).
+    convs = _convs(model)
+    np.testing.assert_allclose(
+        _output_ranges(convs["dw"]), _input_ranges(convs["conv3"]), rtol=1e-3
+    )
+
+
+def test_per_tensor_int8_error_drops_on_a_mismatched_depthwise_chain():
+    x = _input()
+    plain = _chain()
+    want = _run(plain, x)
+    equalized = _chain()
+    equalize(equalized, per_channel=False)
+
+    def error(model: onnx.ModelProto) -> float:
+        return float(np.mean((_run(_per_tensor_int8(model), x) - want) ** 2))
+
+    assert error(equalized) < 0.1 * error(plain)
+
+
+def test_clip_and_other_activations_are_left_alone_with_the_reason():
+    for middle, why in [("Clip", "ReLU6"), ("Sigmoid", "not scale-equivariant")]:
+        model = _chain(middle)
+        before = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer}
+        entry = equalize(model, per_channel=False)
+        reasons = {(s["first"], s["second"]): s["why"] for s in entry["skipped"]}
+        assert why in reasons[("conv1", "dw")]
+        assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
+        after = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+        np.testing.assert_array_equal(after["w1"], before["w1"])  # the Clip pair's first layer
+
+
+def test_a_tensor_read_twice_is_not_rescaled():
+    model = _chain()
+    model.graph.output.append(helper.make_tensor_value_info("a1", onnx.TensorProto.FLOAT, None))
+    entry = equalize(model, per_channel=False)
+    assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
+
+
+def test_digits_with_cle_reports_its_pair_and_keeps_accuracy(digits_dir, cli, tmp_path):
+    recipe = digits_dir / "cle.yaml"
+    recipe.write_text(
+        "base: recipe.yaml\nquantization:\n  per_channel: false\n"
+        "  algorithms: [cross_layer_equalization]\n"
+    )
+    out = tmp_path / "cle"
+    result = cli("quantize", recipe, "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "report.json").read_text())["algorithms"]
+    pairs = entry["cross_layer_equalization"]["pairs"]
+    assert [(p["first"], p["second"]) for p in pairs] == [("/conv1/Conv", "/conv2/Conv")]
+    assert pairs[0]["weight_noise_after"] < pairs[0]["weight_noise_before"]
+    # The float model written is the equalized one: calibration ran on what is quantized.
+    written = {
+        i.name: numpy_helper.to_array(i)
+        for i in onnx.load(out / "model.fp32.onnx").graph.initializer
+    }
+    plain = prepare(load_recipe(digits_dir / "recipe.yaml", output_dir=tmp_path / "plain"))
+    unequalized = {i.name: numpy_helper.to_array(i) for i in plain.model.graph.initializer}
+    conv1 = next(n for n in plain.model.graph.node if n.name == "/conv1/Conv")
+    assert not np.allclose(written[conv1.input[1]], unequalized[conv1.input[1]])
+    assert (
+        prepare(load_recipe(recipe, output_dir=tmp_path / "again")).fingerprint != plain.fingerprint
+    )
