@@ -36,7 +36,7 @@ from qtool.pipeline import (
 from qtool.qat import export
 from qtool.qat.fold import fold_batchnorm
 from qtool.qat.instrument import FakeQuantModel
-from qtool.qat.mapping import activation_sites, check_sites
+from qtool.qat.mapping import WeightTie, activation_sites, check_sites, initializer_state
 from qtool.qat.mapping import weight_parameters as map_weights
 from qtool.qat.train import TrainingSet, deterministic, make_loss, train
 from qtool.quantize.assemble import (
@@ -123,26 +123,30 @@ def _stack(spec, recipe: Recipe, max_samples: int | None):
     return inputs, labels, batches
 
 
-def _weight_stores(prepared: PreparedModel, recipe: Recipe, cpu, device: str) -> dict:
-    """Weight name -> (float weight -> the writer's stored form, transposed?), per weight the
-    same function weight_parameters calls."""
+def _weight_stores(
+    prepared: PreparedModel, recipe: Recipe, cpu, device: str, ties: dict[str, WeightTie]
+) -> dict:
+    """Parameter name -> (its float value -> the writer's stored form, transposed?), per weight
+    the same function weight_parameters calls. A transposed tie stores the parameter's
+    transpose, the initializer's layout, and reads it back transposed."""
     layout = prepared.layout
     integer = integer_kernel_weights(layout)
     plans = layout.plan.weight_plans()
     spec = recipe.quantization
     stores = {}
     for name, slot in layout.weights.items():
-        plan = plans[name]
+        plan, tie = plans[name], ties[name]
         if name in integer:
 
-            def store(w, slot=slot, plan=plan):
+            def store(w, slot=slot, plan=plan, flip=tie.transposed):
+                w = np.ascontiguousarray(w.T) if flip else w
                 return choose_weight(w, slot, plan, cpu, spec.saturation, device)
         else:
 
-            def store(w, slot=slot, plan=plan):
-                return quantize_low_bit(w, slot, plan)
+            def store(w, slot=slot, plan=plan, flip=tie.transposed):
+                return quantize_low_bit(np.ascontiguousarray(w.T) if flip else w, slot, plan)
 
-        stores[name] = (store, slot.transposed)
+        stores[tie.parameter] = (store, slot.transposed != tie.transposed)
     return stores
 
 
@@ -179,8 +183,13 @@ def run_qat(
     names = [i.name for i in recipe.inputs]
     with phase("mapping the plan to the PyTorch modules"):
         sites = activation_sites(model, layout, names)
-        map_weights(model, layout, net)
+        ties = map_weights(model, layout, net)
         check_sites(net, model, sites, verify_feeds(recipe)[0])
+    initializers = {init.name for init in model.graph.initializer}
+    plain = {n: p.detach().numpy() for n, p in net.named_parameters()}
+    _, unused = initializer_state(plain, ties, initializers)
+    for name in unused:  # not in the exported graph: no gradient, nothing to export
+        net.get_parameter(name).requires_grad_(False)
     # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
     # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
     learned = frozenset()
@@ -190,9 +199,9 @@ def run_qat(
         net,
         sites,
         calibrated,
-        _weight_stores(prepared, recipe, cpu, device),
+        _weight_stores(prepared, recipe, cpu, device, ties),
         qat.learn_scales,
-        learned,
+        frozenset(ties[name].parameter for name in learned),
     )
 
     train_spec = qat.data or recipe.calibration.data
@@ -256,10 +265,12 @@ def run_qat(
         return None
 
     with phase("writing the QAT model"):
-        trained_model = export.with_trained_weights(model, fake.float_state())
+        trained, _ = initializer_state(fake.float_state(), ties, initializers)
+        trained_model = export.with_trained_weights(model, trained)
         activations = fake.activation_params()
         weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
-        weights.update(fake.learned_weights())
+        by_parameter = {tie.parameter: name for name, tie in ties.items()}
+        weights.update({by_parameter[p]: w for p, w in fake.learned_weights().items()})
         plans = layout.plan.weight_plans()
         for name in learned:
             plans[name].reason += " (scales learned by QAT, LSQ)"
@@ -327,6 +338,7 @@ def run_qat(
         "learned_weight_scales": sorted(learned),
         "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
         "fake_quant_tensors": len(sites),
+        "frozen_unused_parameters": unused,
         "fake_quant_weights": len(layout.weights),
         "processes": group.world,
         "global_batch_size": qat.batch_size * group.world,
