@@ -129,3 +129,19 @@ def test_resume_in_another_number_of_processes_is_refused(runs, cli):
     result = cli("qat", folder / "qat-b16.yaml", "-o", two, "--resume", "--no-progress")
     assert result.exit_code == 2
     assert "checkpoint of a run in 2 processes" in " ".join(result.output.split())
+
+
+def test_qat_with_stats_reuses_a_calibrate_run_and_writes_the_same_model(runs, cli):
+    folder, one, _, _, _ = runs
+    recipe = folder / "qat-b32.yaml"
+    calibrated = cli("calibrate", recipe, "-o", folder / "cal", "--no-progress")
+    assert calibrated.exit_code == 0, calibrated.output
+    stats = folder / "cal" / "stats.npz"
+    result = cli("qat", recipe, "--stats", stats, "-o", folder / "reuse", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert not (folder / "reuse" / "stats.npz").exists()  # read, not written again
+    report = json.loads((folder / "reuse" / "report.json").read_text())
+    assert report["files"]["stats"] == str(stats)
+    assert (folder / "reuse" / "model.int4.onnx").read_bytes() == (
+        one / "model.int4.onnx"
+    ).read_bytes()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,8 @@ def make_loss(loss: str | None, distill: bool) -> tuple[Callable, str]:
 @contextlib.contextmanager
 def deterministic(seed: int) -> Iterator[None]:
     """Seeded, single-threaded, deterministic torch; the previous settings come back after."""
+    # cuBLAS refuses deterministic mode without a fixed workspace (a CUDA rank under NCCL)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     threads = torch.get_num_threads()
     was = torch.are_deterministic_algorithms_enabled()
     torch.manual_seed(seed)
