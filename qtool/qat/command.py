@@ -6,6 +6,11 @@ Stages: build the torch module and fold its BatchNorms -> export and prepare exa
 module and prove the mapping -> fake-quantize and train -> trained weights into the prepared
 model, learned (or calibrated) scales into the writer's parameters -> write_qdq_model ->
 verify (what ORT fuses) -> equivalence of ORT and the fake-quant module on real data -> report.
+
+Under torchrun every rank runs the stages up to training (calibrating its shard of the
+batches, merged exactly), trains data-parallel (train.py), and rank 0 alone exports, verifies
+and writes while the others wait at a barrier: after DDP's all-reduce every rank holds the
+same weights, so one export is the model.
 """
 
 from __future__ import annotations

@@ -175,16 +175,10 @@ def _load(path: Path, content: bytes, model, optimizer, identity: dict) -> Histo
     if not isinstance(state, dict) or not isinstance(state.get("identity"), dict):
         raise ModelError(f"{path}: not a qtool qat checkpoint (no identity)")
     theirs = state["identity"]
-    if (
-        theirs.get("processes") != identity["processes"]
-        and {
-            **theirs,
-            "processes": identity["processes"],
-        }
-        == identity
-    ):
+    same_but_world = {**theirs, "processes": identity["processes"]} == identity
+    if "processes" in theirs and theirs != identity and same_but_world:
         raise ModelError(
-            f"{path}: checkpoint of a run in {theirs.get('processes')} processes, this one has "
+            f"{path}: checkpoint of a run in {theirs['processes']} processes, this one has "
             f"{identity['processes']}: the global batch is batch_size x processes; resume with "
             "as many (torchrun --nproc-per-node) or drop --resume"
         )
