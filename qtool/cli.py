@@ -282,19 +282,34 @@ def quantize(
 @user_errors
 def qat(
     recipe: RecipeArg,
+    stats: Annotated[
+        Path | None,
+        typer.Option("--stats", help="Stats file from `qtool calibrate` (else calibrates)."),
+    ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the last epoch checkpoint.")
     ] = False,
 ) -> None:
-    """Quantization-aware training of a PyTorch model on the PTQ plan; writes the QDQ model."""
+    """Quantization-aware training of a PyTorch model on the PTQ plan; writes the QDQ model.
+
+    Under torchrun the processes train data-parallel (DDP, a global batch of batch_size x
+    processes); rank 0 writes the checkpoints, the model and report.json.
+    """
+    from qtool import distributed
     from qtool.qat.command import run_qat
     from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
-        result = run_qat(loaded, resume=resume, progress=progress)
+    try:
+        group = distributed.current()
+        with _phase_display(progress and group.primary):
+            result = run_qat(loaded, resume=resume, progress=progress, stats_path=stats)
+    finally:
+        distributed.shutdown()
+    if result is None:  # not rank 0: it reports
+        return
     block = result.report["qat"]
     accuracy = block["accuracy"]
     if accuracy:
@@ -307,7 +322,9 @@ def qat(
     same = block["equivalence"]
     console.print(
         f"trained {block['epochs']} epochs ({block['loss']}, final loss {block['final_loss']:.5f}) "
-        f"in {block['train_seconds']:.1f} s; ORT vs fake-quant max |diff| "
+        f"in {block['train_seconds']:.1f} s ({block['train_cpu_seconds_rank0']:.1f} CPU s"
+        + ("" if block["processes"] == 1 else f" on rank 0 of {block['processes']} processes")
+        + f"); ORT vs fake-quant max |diff| "
         f"{same['max_abs_diff_fused']:.3g} fused, {same['max_abs_diff_unfused']:.3g} unfused "
         f"(one output step {same['output_step']:.3g})",
         highlight=False,

@@ -89,7 +89,8 @@ class Shard:
 
 
 class Group:
-    """The processes calibrating together. World 1 (no torchrun) does nothing and needs no torch.
+    """The processes calibrating or training together. World 1 (no torchrun) does nothing and
+    needs no torch.
 
     Every collective is called by every rank in the same order with arrays of the same shape;
     results are exact (integer sums, min/max as selections), so the merged statistics do not
@@ -149,6 +150,27 @@ class Group:
         dist = self._dist()
         self._collective("exchanging metadata", lambda: dist.all_gather_object(gathered, value))
         return gathered
+
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's (picklable) `value` on every rank: what rank 0 alone read from its disk, such
+        as a QAT checkpoint, so several machines need no shared file system."""
+        if self.world == 1:
+            return value
+        holder = [value if self.primary else None]
+        dist = self._dist()
+        self._collective("receiving rank 0's data", lambda: dist.broadcast_object_list(holder))
+        return holder[0]
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank gets here (the others, while rank 0 writes the files)."""
+        if self.world > 1:
+            dist = self._dist()
+            self._collective(what, lambda: dist.barrier())
+
+    @property
+    def device(self):
+        """The CUDA device this rank's NCCL collectives run on; None on CPU (gloo)."""
+        return self._device
 
     def sum_in_rank_order(self, array: np.ndarray) -> np.ndarray | None:
         """On rank 0, ((rank 0 + rank 1) + rank 2) + ...: a fixed order, so float sums come out

@@ -98,7 +98,7 @@ class QuantizeResult:
 VERIFY_SAMPLES = 8
 
 
-def _source_sha256(recipe: Recipe) -> str:
+def source_sha256(recipe: Recipe) -> str:
     """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file."""
     spec = recipe.model
     if spec.onnx is not None:
@@ -133,7 +133,7 @@ def prepare(recipe: Recipe) -> PreparedModel:
             f"{recipe.path}: no node can be quantized with quantization.op_types "
             f"{list(recipe.quantization.op_types)} and the exclude list"
         )
-    source_sha256 = _source_sha256(recipe)
+    source = source_sha256(recipe)
     if external_data.needs_external_data(model):
         # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
         # is written), and read back from there for the same reason the small path re-parses.
@@ -142,7 +142,7 @@ def prepare(recipe: Recipe) -> PreparedModel:
             del model
             model = staged.load()
         return PreparedModel(
-            model, None, staged.sha256, layout, source_sha256, staged, equalization
+            model, None, staged.sha256, layout, source, staged, equalization
         )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
@@ -150,7 +150,7 @@ def prepare(recipe: Recipe) -> PreparedModel:
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
     return PreparedModel(
-        model, serialized, fingerprint, layout, source_sha256, equalization=equalization
+        model, serialized, fingerprint, layout, source, equalization=equalization
     )
 
 
@@ -168,7 +168,7 @@ class Calibration:
     channels: dict[str, ChannelStats] | None = None
 
 
-def _run_calibration(
+def run_calibration(
     recipe: Recipe,
     prepared: PreparedModel,
     progress: bool,
@@ -255,7 +255,7 @@ def calibrate(
     """Stream the calibration set (or `shard` of it) through the model, across the processes
     torchrun started when it did; write (rank 0) and return the statistics."""
     try:
-        run = _run_calibration(
+        run = run_calibration(
             recipe, prepared, progress, shard, distributed.current(), reload=False
         )
         if run.primary:
@@ -286,13 +286,18 @@ def _hessians_for(prepared: PreparedModel, stats_path: Path) -> dict[str, Hessia
     return hessians
 
 
-def _statistics(
-    recipe: Recipe, prepared: PreparedModel, stats_path: Path | None, progress: bool
+def statistics(
+    recipe: Recipe,
+    prepared: PreparedModel,
+    stats_path: Path | None,
+    progress: bool,
+    group: Group | None = None,
 ) -> tuple[Calibration, Path]:
-    """This run's statistics: from a new calibration run (its files not written yet), or read
-    from `stats_path` (no files to write)."""
+    """This run's statistics: from a new calibration run (its files not written yet; split
+    across the ranks of `group` and merged exactly), or read from `stats_path` (no files to
+    write; every rank reads the same file)."""
     if stats_path is None:
-        return _run_calibration(recipe, prepared, progress), recipe.stats_path
+        return run_calibration(recipe, prepared, progress, group=group), recipe.stats_path
     stats, fingerprint = load_stats(stats_path)
     if fingerprint != prepared.fingerprint:
         raise CalibrationError(
@@ -334,7 +339,7 @@ def _quantize(
     mixed: MixedOutcome | None = None,
 ) -> QuantizeResult:
     model_path = recipe.quant_model_path if mixed is None else mixed.model_path
-    calibration, stats_path = _statistics(recipe, prepared, stats_path, progress)
+    calibration, stats_path = statistics(recipe, prepared, stats_path, progress)
     # SmoothQuant: the smoothed model and layout, stats for its smoothed inputs (report entry)
     smoothing = None
     if recipe.quantization.algorithm("smoothquant") is not None:
@@ -416,7 +421,7 @@ def _quantize(
             verification = verify(
                 source,
                 layout.plan,
-                _verify_feeds(recipe),
+                verify_feeds(recipe),
                 cpu,
                 target=recipe.quantization.target,
                 float_model=float_source,
@@ -480,7 +485,7 @@ def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
     return (batch.inputs for batch in batches)
 
 
-def _verify_feeds(recipe: Recipe) -> list[dict]:
+def verify_feeds(recipe: Recipe) -> list[dict]:
     """The first calibration samples, re-read (a stats file carries no inputs)."""
     spec = recipe.calibration
     limit = min(VERIFY_SAMPLES, spec.max_samples or VERIFY_SAMPLES)

@@ -63,6 +63,26 @@ MODEL_SOURCE = textwrap.dedent(
             x = self.pool(torch.relu(self.conv1(image)))
             return self.fc2(self.relu2(self.fc1(self.flatten(x))))
 
+    class Rows(nn.Module):
+        # A Linear on a 3-D input (exported as MatMul with the weight's transpose as a
+        # constant) and a layer forward never calls (dropped by the exporter).
+
+        def __init__(self):
+            super().__init__()
+            self.rows = nn.Flatten(1, 2)
+            self.proj = nn.Linear(8, 16)
+            self.relu = nn.ReLU()
+            self.flatten = nn.Flatten()
+            self.head = nn.Linear(8 * 16, 10)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, image):
+            return self.head(self.flatten(self.relu(self.proj(self.rows(image)))))
+
+    def make_rows():
+        torch.manual_seed(0)
+        return Rows()
+
     def make_model():
         torch.manual_seed(0)
         model = Net()
@@ -378,3 +398,35 @@ def test_distillation_with_learned_scales_and_int4_blocked_weights(tmp_path):
     nodes = {n["name"]: n for n in result.report["nodes"]}
     assert "scales learned by QAT" in nodes["/fc1/Gemm"]["weight"]["reason"]
     assert nodes["/fc1/Gemm"]["weight"]["block_size"] == 16
+
+
+def test_a_linear_on_3d_input_trains_through_its_transposed_constant(tmp_path):
+    """The exporter writes such a Linear as MatMul(x, onnx::MatMul_N = weight.T): QAT ties the
+    constant to the parameter, trains it, and writes it back transposed; the never-called
+    layer is frozen instead of breaking the export."""
+    path = _case(
+        tmp_path,
+        "qat: {epochs: 1, lr: 0.001, batch_size: 16, learn_scales: true}",
+        ", activations: int8, weights: {bits: 4, block_size: 16}",
+        factory="make_rows",
+    )
+    path.write_text(path.read_text().replace("[Conv, Gemm]", "[MatMul, Gemm]"))
+    recipe = load_recipe(path)
+    block = run_qat(recipe, progress=False).report["qat"]
+    assert block["frozen_unused_parameters"] == ["unused.weight", "unused.bias"]
+    constants = [n for n in block["learned_weight_scales"] if n.startswith("onnx::MatMul_")]
+    assert len(constants) == 1 and "head.weight" in block["learned_weight_scales"]
+    assert block["equivalence"]["max_abs_diff_fused"] <= block["equivalence"]["output_step"]
+    assert block["equivalence"]["max_abs_diff_unfused"] <= block["equivalence"]["output_step"]
+    # ORT on the export agrees with the trained fake-quant model (above), and training moved
+    # the weight: so the file holds the trained weight, transposed back into the constant.
+    name = constants[0]
+    trained = torch.load(recipe.output_dir / "qat" / "epoch-001.pt", weights_only=True)["model"]
+    weight = trained["net.proj.parametrizations.weight.original"].numpy()  # [16, 8]
+    fp32 = next(
+        numpy_helper.to_array(t)
+        for t in onnx.load(recipe.float_model_path).graph.initializer
+        if t.name == name
+    )
+    assert fp32.shape == weight.T.shape == (8, 16)  # [K, N], as the MatMul reads it
+    assert np.abs(weight.T - fp32).max() > 1e-4

@@ -6,6 +6,11 @@ Stages: build the torch module and fold its BatchNorms -> export and prepare exa
 module and prove the mapping -> fake-quantize and train -> trained weights into the prepared
 model, learned (or calibrated) scales into the writer's parameters -> write_qdq_model ->
 verify (what ORT fuses) -> equivalence of ORT and the fake-quant module on real data -> report.
+
+Under torchrun every rank runs the stages up to training (calibrating its shard of the
+batches, merged exactly), trains data-parallel (train.py), and rank 0 alone exports, verifies
+and writes while the others wait at a barrier: after DDP's all-reduce every rank holds the
+same weights, so one export is the model.
 """
 
 from __future__ import annotations
@@ -28,21 +33,21 @@ from qtool.ort_session import create_session
 from qtool.phases import phase
 from qtool.pipeline import (
     PreparedModel,
-    _run_calibration,
-    _source_sha256,
-    _verify_feeds,
+    source_sha256,
     stamp_provenance,
+    statistics,
+    verify_feeds,
 )
 from qtool.qat import export
 from qtool.qat.fold import fold_batchnorm
 from qtool.qat.instrument import FakeQuantModel
-from qtool.qat.mapping import activation_sites, check_sites
+from qtool.qat.mapping import WeightTie, activation_sites, check_sites, initializer_state
 from qtool.qat.mapping import weight_parameters as map_weights
 from qtool.qat.train import TrainingSet, deterministic, make_loss, train
 from qtool.quantize.assemble import (
-    _integer_kernel_weights,
     activation_parameters,
     bias_parameters,
+    integer_kernel_weights,
     weight_parameters,
 )
 from qtool.quantize.layout import plan_layout
@@ -110,7 +115,7 @@ def _prepare(recipe: Recipe, net) -> PreparedModel:
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     return PreparedModel(
-        onnx.load_from_string(serialized), serialized, fingerprint, layout, _source_sha256(recipe)
+        onnx.load_from_string(serialized), serialized, fingerprint, layout, source_sha256(recipe)
     )
 
 
@@ -123,32 +128,47 @@ def _stack(spec, recipe: Recipe, max_samples: int | None):
     return inputs, labels, batches
 
 
-def _weight_stores(prepared: PreparedModel, recipe: Recipe, cpu, device: str) -> dict:
-    """Weight name -> (float weight -> the writer's stored form, transposed?), per weight the
-    same function weight_parameters calls."""
+def _weight_stores(
+    prepared: PreparedModel, recipe: Recipe, cpu, device: str, ties: dict[str, WeightTie]
+) -> dict:
+    """Parameter name -> (its float value -> the writer's stored form, transposed?), per weight
+    the same function weight_parameters calls. A transposed tie stores the parameter's
+    transpose, the initializer's layout, and reads it back transposed."""
     layout = prepared.layout
-    integer = _integer_kernel_weights(layout)
+    integer = integer_kernel_weights(layout)
     plans = layout.plan.weight_plans()
     spec = recipe.quantization
     stores = {}
     for name, slot in layout.weights.items():
-        plan = plans[name]
+        plan, tie = plans[name], ties[name]
         if name in integer:
 
-            def store(w, slot=slot, plan=plan):
+            def store(w, slot=slot, plan=plan, flip=tie.transposed):
+                w = np.ascontiguousarray(w.T) if flip else w
                 return choose_weight(w, slot, plan, cpu, spec.saturation, device)
         else:
 
-            def store(w, slot=slot, plan=plan):
-                return quantize_low_bit(w, slot, plan)
+            def store(w, slot=slot, plan=plan, flip=tie.transposed):
+                return quantize_low_bit(np.ascontiguousarray(w.T) if flip else w, slot, plan)
 
-        stores[name] = (store, slot.transposed)
+        stores[tie.parameter] = (store, slot.transposed != tie.transposed)
     return stores
 
 
-def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatResult:
-    """Train the recipe's PyTorch model with fake quantization and export it (see top)."""
-    distributed.require_single_process("qtool qat")
+def run_qat(
+    recipe: Recipe,
+    resume: bool = False,
+    progress: bool = True,
+    stats_path: Path | None = None,
+) -> QatResult | None:
+    """Train the recipe's PyTorch model with fake quantization and export it (see top).
+
+    `stats_path`: ranges from that stats file (as `qtool quantize --stats`) instead of a
+    calibration run. Under torchrun every rank calibrates its shard (merged exactly) and trains
+    on its part of each batch (DDP); rank 0 alone writes and returns the result, the others
+    wait for it at a barrier and return None.
+    """
+    group = distributed.current()
     qat = _check_recipe(recipe)
     seed = recipe.seed if qat.seed is None else qat.seed
 
@@ -159,7 +179,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         teacher = copy.deepcopy(net)
     prepared = _prepare(recipe, net)
     layout, model = prepared.layout, prepared.model
-    calibration = _run_calibration(recipe, prepared, progress)
+    calibration, stats_path = statistics(recipe, prepared, stats_path, progress, group)
     stats = {s.name: s for s in calibration.stats}
     device = kernels.default_device()
     cpu = resolve_cpu(recipe.quantization.cpu)
@@ -168,20 +188,25 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
     names = [i.name for i in recipe.inputs]
     with phase("mapping the plan to the PyTorch modules"):
         sites = activation_sites(model, layout, names)
-        map_weights(model, layout, net)
-        check_sites(net, model, sites, _verify_feeds(recipe)[0])
+        ties = map_weights(model, layout, net)
+        check_sites(net, model, sites, verify_feeds(recipe)[0])
+    initializers = {init.name for init in model.graph.initializer}
+    plain = {n: p.detach().numpy() for n, p in net.named_parameters()}
+    _, unused = initializer_state(plain, ties, initializers)
+    for name in unused:  # not in the exported graph: no gradient, nothing to export
+        net.get_parameter(name).requires_grad_(False)
     # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
     # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
     learned = frozenset()
     if qat.learn_scales:
-        learned = frozenset(layout.weights) - _integer_kernel_weights(layout)
+        learned = frozenset(layout.weights) - integer_kernel_weights(layout)
     fake = FakeQuantModel(
         net,
         sites,
         calibrated,
-        _weight_stores(prepared, recipe, cpu, device),
+        _weight_stores(prepared, recipe, cpu, device, ties),
         qat.learn_scales,
-        learned,
+        frozenset(ties[name].parameter for name in learned),
     )
 
     train_spec = qat.data or recipe.calibration.data
@@ -208,7 +233,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
     check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
 
     accuracy = {}
-    if eval_labels is not None:
+    if eval_labels is not None and group.primary:
         fp32 = export.torch_outputs(teacher, eval_feeds, names)
         accuracy["fp32"] = export.accuracy(fp32, eval_labels)
         accuracy["fake_quant_before"] = export.accuracy(
@@ -219,8 +244,9 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         "calibration_data_sha256": calibration.data_sha256 or "none",
         "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
         "seed": seed,
+        "processes": group.world,  # the global batch is batch_size x processes
     }
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with deterministic(seed):
         history = train(
             fake,
@@ -235,14 +261,21 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
             identity=identity,
             resume=resume,
             progress=progress,
+            group=group,
         )
     train_seconds = time.perf_counter() - started
+    train_cpu_seconds = time.process_time() - cpu_started
+    if not group.primary:
+        group.barrier("waiting for rank 0 to write the QAT model")
+        return None
 
     with phase("writing the QAT model"):
-        trained_model = export.with_trained_weights(model, fake.float_state())
+        trained, _ = initializer_state(fake.float_state(), ties, initializers)
+        trained_model = export.with_trained_weights(model, trained)
         activations = fake.activation_params()
         weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
-        weights.update(fake.learned_weights())
+        by_parameter = {tie.parameter: name for name, tie in ties.items()}
+        weights.update({by_parameter[p]: w for p, w in fake.learned_weights().items()})
         plans = layout.plan.weight_plans()
         for name in learned:
             plans[name].reason += " (scales learned by QAT, LSQ)"
@@ -261,7 +294,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         verification = verify(
             source,
             layout.plan,
-            _verify_feeds(recipe),
+            verify_feeds(recipe),
             cpu,
             target=recipe.quantization.target,
             float_model=prepared.serialized,
@@ -284,7 +317,7 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
     files = {
         "float_model": str(recipe.float_model_path),
         "quantized_model": str(recipe.quant_model_path),
-        "stats": str(recipe.stats_path),
+        "stats": str(stats_path),
     }
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     report = build_report(
@@ -310,8 +343,12 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
         "learned_weight_scales": sorted(learned),
         "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
         "fake_quant_tensors": len(sites),
+        "frozen_unused_parameters": unused,
         "fake_quant_weights": len(layout.weights),
+        "processes": group.world,
+        "global_batch_size": qat.batch_size * group.world,
         "train_seconds": round(train_seconds, 3),
+        "train_cpu_seconds_rank0": round(train_cpu_seconds, 3),
         "accuracy": accuracy,
         "equivalence": equivalence,
         "activation_scales_changed": sum(
@@ -325,4 +362,5 @@ def run_qat(recipe: Recipe, resume: bool = False, progress: bool = True) -> QatR
             recipe.report_path: report_bytes(report),
         }
     )
+    group.barrier("waiting for rank 0 to write the QAT model")
     return QatResult(recipe.quant_model_path, recipe.report_path, report, verification.warnings)

@@ -4,7 +4,8 @@ Activations: y = (clamp(round(x / s) + z, qmin, qmax) - z) * s, QuantizeLinear t
 DequantizeLinear (round half to even, as ONNX and torch both round). The rounding passes the
 gradient straight through (STE); clamping stops it outside the range. With `learn` the scale is
 a parameter trained as LSQ does (Esser et al. 2020): the same expression differentiated in s,
-the gradient scaled by 1/sqrt(numel * qmax) so the scale moves at the pace of the weights.
+the gradient scaled by 1/sqrt(numel per sample * qmax) so the scale moves at the pace of the
+weights.
 
 Weights: the dequantized weight comes from the very function the writer stores it with
 (choose_weight for int8 kernel weights, so the CPU's pair-safe format is what trains;
@@ -59,7 +60,10 @@ class ActivationQuantizer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale.clamp(min=_MIN_SCALE)
         if self.learn:
-            scale = scale_gradient(scale, 1.0 / math.sqrt(x.numel() * self.qmax))
+            # per sample (dim 0 is the batch): a DDP rank's half batch and one process's whole
+            # batch then give the scale the same gradient, as they give every weight
+            per_sample = x[0].numel() if x.dim() > 1 else x.numel()
+            scale = scale_gradient(scale, 1.0 / math.sqrt(per_sample * self.qmax))
         q = torch.clamp(round_ste(x / scale) + self.zero_point, self.qmin, self.qmax)
         return (q - self.zero_point) * scale
 

@@ -57,11 +57,23 @@ def activation_sites(model: onnx.ModelProto, layout: Layout, input_names: list[s
     return sites
 
 
-def weight_parameters(model: onnx.ModelProto, layout: Layout, module) -> dict[str, str]:
-    """Planned weight initializer -> the module path owning the parameter of that name.
+@dataclass(frozen=True)
+class WeightTie:
+    """A planned weight initializer and the module parameter it holds: the same values, or
+    (`transposed`) the parameter's transpose, the constant the exporter writes for a Linear
+    applied to a 3-D input (a MatMul reading `onnx::MatMul_N` = weight.T)."""
 
-    The parameter must hold exactly the initializer's values: preparation rewrote any weight
-    that differs (transposed, folded), and training the torch copy would then not be exported.
+    parameter: str
+    transposed: bool = False
+
+
+def weight_parameters(model: onnx.ModelProto, layout: Layout, module) -> dict[str, WeightTie]:
+    """Planned weight initializer -> the parameter it holds.
+
+    A parameter of the initializer's name, else the `weight` of the reading node's module when
+    the initializer is its transpose. The values must match exactly: preparation rewrote any
+    weight that differs (folded, reshaped), and training the torch copy would then not be
+    exported.
     """
     initializers = {init.name: init for init in model.graph.initializer}
     readers = {}
@@ -69,31 +81,58 @@ def weight_parameters(model: onnx.ModelProto, layout: Layout, module) -> dict[st
         for name in node.input:
             if name in layout.weights:
                 readers.setdefault(name, node)
-    owners = {}
+    ties = {}
     for name in sorted(layout.weights):
         node = readers[name]
+        stored = numpy_helper.to_array(initializers[name])
+        owner = module_path(node)
+        tie = WeightTie(name)
         try:
             parameter = module.get_parameter(name)
         except AttributeError:
+            tie = WeightTie(f"{owner}.weight" if owner else "weight", transposed=True)
+            try:
+                parameter = module.get_parameter(tie.parameter)
+            except AttributeError:
+                raise ModelError(
+                    f"weight '{name}' of node '{node.name}' is not a parameter of the PyTorch "
+                    f"module, nor the transpose of '{tie.parameter}': qtool qat cannot map it "
+                    "back"
+                ) from None
+        if tie.parameter.rpartition(".")[0] != owner:
             raise ModelError(
-                f"weight '{name}' of node '{node.name}' is not a parameter of the PyTorch "
-                "module: qtool qat cannot map it back"
-            ) from None
-        owner = name.rpartition(".")[0]
-        if owner != module_path(node):
-            raise ModelError(
-                f"weight '{name}' is read by node '{node.name}', not by module '{owner}'"
+                f"weight '{name}' is read by node '{node.name}', not by module "
+                f"'{tie.parameter.rpartition('.')[0]}'"
             )
-        stored = numpy_helper.to_array(initializers[name])
         value = parameter.detach().cpu().numpy()
+        if tie.transposed:
+            value = value.T
         if stored.shape != value.shape or not np.array_equal(stored, value):
             raise ModelError(
                 f"weight '{name}': the prepared ONNX model holds other values than the module's "
-                f"parameter (shape {list(stored.shape)} vs {list(value.shape)}): preparation "
-                "rewrote it, so the trained parameter could not be exported"
+                f"parameter '{tie.parameter}'{' (transposed)' if tie.transposed else ''} (shape "
+                f"{list(stored.shape)} vs {list(value.shape)}): preparation rewrote it, so the "
+                "trained parameter could not be exported"
             )
-        owners[name] = owner
-    return owners
+        ties[name] = tie
+    return ties
+
+
+def initializer_state(
+    state: dict[str, np.ndarray], ties: dict[str, WeightTie], initializers: set[str]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The trained parameters under their initializer names (a transposed tie written back
+    transposed), and the parameters the graph does not hold (the exporter dropped them as
+    unused, such as BERT's pooler): those are frozen before training, so nothing is lost."""
+    aliases = {tie.parameter: (name, tie.transposed) for name, tie in ties.items()}
+    mapped, unused = {}, []
+    for parameter, value in state.items():
+        name, transposed = aliases.get(parameter, (parameter, False))
+        if name not in initializers:
+            unused.append(parameter)
+            continue
+        mapped[name] = np.ascontiguousarray(value.T) if transposed else value
+    return mapped, unused
 
 
 def check_sites(

@@ -48,7 +48,7 @@ def activation_parameters(
     return activations
 
 
-def _integer_kernel_weights(layout: Layout) -> set[str]:
+def integer_kernel_weights(layout: Layout) -> set[str]:
     """Weights an integer kernel multiplies with uint8 activations: int8 per channel / tensor
     on a node whose activations are quantized. Only these can saturate 16-bit pair sums."""
     return {
@@ -73,7 +73,7 @@ def weight_parameters(
     to their calibration Hessians for the weights whose method is gptq."""
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
-    integer = _integer_kernel_weights(layout)
+    integer = integer_kernel_weights(layout)
     hessians = hessians or {}
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
