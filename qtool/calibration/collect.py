@@ -123,7 +123,9 @@ def collect(
     same batches give the same bytes whatever the device. `model_dir`: the folder that `model`'s
     external data references are relative to, for a model whose weights stay on disk (over 2 GB:
     see qtool.external_data); the model with the extra outputs is written there, since ONNX
-    Runtime reads external data only from the model file's own folder. Each of
+    Runtime reads external data only from the model file's own folder. `model` is dropped
+    once it is written (a caller that passes its only reference frees it before the session is
+    created; pipeline.PreparedModel.release). Each of
     `channel_observers` (per-channel statistics for SmoothQuant) is updated in place with its
     tensor from the same runs.
     """
@@ -146,6 +148,7 @@ def collect(
             path = Path(name)
         try:
             save_with_extra_outputs(model, fetch, path)
+            del model  # the caller's only reference, when it passed that: the session has its own
             session = create_session(path, threads=threads)  # ORT has read the file; it can go
         except ModelError as exc:  # name the model, not the temporary file
             raise ModelError(
