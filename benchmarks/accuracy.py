@@ -286,8 +286,11 @@ def run_qtool_set(
     return evaluate_run(run, fp32, model, recipe, args, folder)
 
 
-def run_ort_method(example: str, method: str, fp32: Path, recipe: Recipe, work: Path, args) -> dict:
-    """ORT's quantize_static from qtool's float model, the same batches as qtool."""
+def run_ort_method(
+    example: str, method: str, fp32: Path | None, recipe: Recipe, work: Path, args
+) -> dict:
+    """ORT's quantize_static from qtool's float model (`fp32`; None: made here by a qtool run),
+    the same batches as qtool."""
     folder = work / example / method / "ort"
     shutil.rmtree(folder, ignore_errors=True)
     run: dict = {"example": example, "method": method, "quantizer": "ort", "algorithms": []}
@@ -295,6 +298,8 @@ def run_ort_method(example: str, method: str, fp32: Path, recipe: Recipe, work: 
         run["status"] = f"n/a: ORT has no {method} calibrator"
         return run
     try:
+        if fp32 is None:  # no qtool run this time (or none succeeded): qtool's float graph alone
+            fp32, _ = run_qtool(dataclasses.replace(recipe, output_dir=folder / "qtool-fp32"))
         batches = calibration_batches(recipe, recipe.calibration.batch_size)
         op_types = list(recipe.quantization.op_types)
         model, wall, cpu = _timed(run_ort, fp32, batches, method, op_types, folder)
@@ -322,16 +327,7 @@ def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, r
                 if reference is None and run.get("fp32_model"):
                     reference = Path(run["fp32_model"])
         if "ort" in args.quantizers:
-            if reference is None:  # ORT starts from the float graph qtool writes
-                reference = _float_model(example, recipe, work)
             record(run_ort_method(example, method, reference, recipe, work, args))
-
-
-def _float_model(example: str, recipe: Recipe, work: Path) -> Path:
-    """qtool's prepared float model alone (for an ORT-only run)."""
-    folder = work / example / "fp32"
-    fp32, _ = run_qtool(dataclasses.replace(recipe, output_dir=folder))
-    return fp32
 
 
 # --------------------------------------------------------------------------- output
