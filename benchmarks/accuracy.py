@@ -1,13 +1,16 @@
-"""Side-by-side accuracy benchmark: qtool vs ONNX Runtime's quantize_static on the real examples.
+"""Accuracy benchmark: every range method x qtool algorithm set vs ONNX Runtime's quantize_static.
 
 calibration.py measures speed and memory on random-weight models, where "accuracy" means nothing;
 this one answers the other question a user has: on a real trained model with real data, does
 qtool's quantized model stay as close to FP32 as ONNX Runtime's own quantizer does? Both tools
 start from the same float graph (the `model.fp32.onnx` qtool writes), see the same calibration
 batches and are judged on the same held-out evaluation set by the same code
-(`qtool.evaluate.evaluate_models`). See benchmarks/README.md.
+(`qtool.evaluate.evaluate_models`), fused (ORT_ENABLE_ALL, what deploys) and unfused
+(ORT_DISABLE_ALL, the QDQ semantics). qtool runs once per method and algorithm set (none, each
+algorithm alone, ...), ORT once per method. See benchmarks/README.md.
 
-    python -m benchmarks.accuracy --examples digits,minilm --methods minmax,entropy,percentile
+    python -m benchmarks.accuracy --examples ocr_cls --methods minmax,entropy \
+        --algorithms none,bias_correction
 """
 
 from __future__ import annotations
@@ -28,19 +31,24 @@ from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json
 from qtool.data import Batch, iter_batches
-from qtool.evaluate import EvalResult, evaluate_models
+from qtool.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
 from qtool.pipeline import quantize
-from qtool.recipe import Recipe, load_recipe
+from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS, Recipe, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 EXAMPLES = {
     "digits": REPO / "examples" / "digits" / "recipe.yaml",
     "minilm": REPO / "examples" / "minilm" / "recipe.yaml",
+    # needs `python examples/ocr_cls/fetch.py` once (the model and page come from two wheels)
+    "ocr_cls": REPO / "examples" / "ocr_cls" / "recipe.yaml",
 }
-METHODS = ("minmax", "entropy", "percentile")
+ORT_METHODS = ("minmax", "entropy", "percentile")
+METHODS = (*ORT_METHODS, "mse")  # ORT has no MSE calibrator: its mse cells are n/a
+# The algorithms meant for CNNs; the default run also tries them together.
+CNN_ALGORITHMS = ("cross_layer_equalization", "bias_correction", "adaround")
 PERCENTILE = 99.99
-TOOLS = ("ort", "qtool")
+QUANTIZERS = ("qtool", "ort")
 
 
 # --------------------------------------------------------------------------- data
@@ -142,71 +150,15 @@ def run_ort(
     return model
 
 
-def _timed(fn, *args) -> tuple[object, float]:
-    t0 = time.perf_counter()
+def _timed(fn, *args) -> tuple[object, float, float]:
+    """(value, wall seconds, CPU seconds of this process, every thread: ORT's included)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     value = fn(*args)
-    return value, time.perf_counter() - t0
+    return value, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _failure(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
-def run_one(example: str, method: str, base: Recipe, batch_size: int, work: Path, args) -> dict:
-    """One (example, method) row. A tool that raises becomes a `failed: ...` cell (the traceback
-    goes to the work folder) so one crash does not hide the other rows."""
-    run_dir = work / example / method
-    shutil.rmtree(run_dir, ignore_errors=True)  # earlier outputs must never count as this run's
-    calibration = dataclasses.replace(
-        base.calibration, method=method, percentile=PERCENTILE, batch_size=batch_size
-    )
-    recipe = dataclasses.replace(base, calibration=calibration, output_dir=run_dir / "qtool")
-    row: dict = {"example": example, "method": method, "qtool": {}, "ort": {}}
-    models: dict[str, Path] = {}
-    try:
-        (fp32, qmodel), seconds = _timed(run_qtool, recipe)
-        models["qtool"] = qmodel
-        row["qtool"] = {"status": "ok", "model": str(qmodel), "quantize_s": seconds}
-    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
-        row["qtool"] = {"status": _failure(exc)}
-        _log_traceback(run_dir / "qtool.error.txt")
-        return row  # no float model means no common starting point for ORT either
-    row["fp32_model"] = str(fp32)
-    row["fp32_sha256"] = hashlib.sha256(fp32.read_bytes()).hexdigest()
-    try:
-        batches = calibration_batches(recipe, batch_size)
-        op_types = list(recipe.quantization.op_types)
-        omodel, seconds = _timed(run_ort, fp32, batches, method, op_types, run_dir / "ort")
-        models["ort"] = omodel
-        row["ort"] = {"status": "ok", "model": str(omodel), "quantize_s": seconds}
-    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
-        row["ort"] = {"status": _failure(exc)}
-        _log_traceback(run_dir / "ort.error.txt")
-    fp32_metrics = None
-    for tool, path in models.items():
-        try:
-            result = evaluate_models(
-                fp32,
-                path,
-                evaluation_pairs(recipe),
-                threads=args.threads,
-                latency_runs=args.latency_runs,
-                progress=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
-            row[tool]["status"] = f"evaluation {_failure(exc)}"
-            _log_traceback(run_dir / f"{tool}.eval.error.txt")
-            continue
-        row[tool]["eval"] = result.to_dict()
-        # The FP32 side of both evaluations is the same model on the same data: one number.
-        if fp32_metrics is None:
-            fp32_metrics = {"accuracy": result.fp32.accuracy, "samples": result.samples}
-        elif fp32_metrics["accuracy"] != result.fp32.accuracy:
-            raise AssertionError("FP32 accuracy differs between two evaluations of one model")
-        row[tool]["metrics"] = _metrics(result)
-    row["fp32"] = fp32_metrics or {}
-    row["closer"] = {m: _closer(row, m) for m in _metric_names(row)}
-    return row
 
 
 def _log_traceback(path: Path) -> None:
@@ -214,122 +166,243 @@ def _log_traceback(path: Path) -> None:
     path.write_text(traceback.format_exc())
 
 
-# --------------------------------------------------------------------------- metrics
-
-# metric key -> (table label, number format); which way is closer to FP32 is in _closer
-_FORMATS = {
-    "accuracy": ("top-1 accuracy", "{:.2%}"),
-    "agreement": ("top-1 agreement", "{:.2%}"),
-    "cosine": ("embedding cosine", "{:.5f}"),
-    "sqnr_db": ("SQNR dB", "{:.2f}"),
-}
+# --------------------------------------------------------------------------- algorithm sets
 
 
-def _metrics(result: EvalResult) -> dict:
-    """The numbers compared: accuracy (with its drop) when labelled, else cosine; SQNR always."""
-    if result.has_labels:
-        return {
-            "accuracy": result.quant.accuracy,
-            "drop_points": result.accuracy_drop_points(),
-            "agreement": result.agreement,
-            "sqnr_db": result.sqnr_db,
+def implemented_algorithms() -> tuple[str, ...]:
+    """The recipe's algorithms this qtool implements, in the order they run."""
+    return tuple(name for name in ALGORITHM_ORDER if name in ALGORITHM_PARAMS)
+
+
+def default_algorithm_sets() -> list[tuple[str, ...]]:
+    """None, then each implemented algorithm alone, then all the CNN ones together."""
+    names = implemented_algorithms()
+    sets: list[tuple[str, ...]] = [(), *((name,) for name in names)]
+    cnn = tuple(n for n in names if n in CNN_ALGORITHMS)
+    if len(cnn) > 1:
+        sets.append(cnn)
+    return sets
+
+
+def algorithm_label(algorithms: tuple[str, ...]) -> str:
+    return "+".join(algorithms) if algorithms else "none"
+
+
+def parse_algorithm_sets(text: str) -> list[tuple[str, ...]]:
+    """`none,bias_correction,cross_layer_equalization+bias_correction` -> sets in run order."""
+    known = implemented_algorithms()
+    sets: list[tuple[str, ...]] = []
+    for item in (x for x in text.split(",") if x):
+        names = () if item == "none" else tuple(item.split("+"))
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"{unknown[0]!r}: not an algorithm this qtool implements (known: none, "
+                f"{', '.join(known)}; join several with +)"
+            )
+        ordered = tuple(n for n in ALGORITHM_ORDER if n in names)
+        if ordered not in sets:
+            sets.append(ordered)
+    if not sets:
+        raise argparse.ArgumentTypeError("expected a comma list of algorithm sets")
+    return sets
+
+
+def with_algorithms(recipe: Recipe, algorithms: tuple[str, ...]) -> Recipe:
+    """The recipe with exactly `algorithms` on, each at its documented defaults."""
+    chosen = tuple((name, dict(ALGORITHM_PARAMS[name])) for name in algorithms)
+    return dataclasses.replace(
+        recipe, quantization=dataclasses.replace(recipe.quantization, algorithms=chosen)
+    )
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _scores(result: EvalResult) -> dict:
+    """Fused and unfused numbers of the gated output (accuracy only with labels)."""
+    gated = result.gated()
+    return {
+        variant: {
+            "accuracy": gated.variant(variant).accuracy,
+            "agreement": gated.variant(variant).agreement,
+            "cosine": gated.variant(variant).cosine,
+            "sqnr_db": json_float(gated.variant(variant).sqnr_db),
         }
-    return {"cosine": result.cosine, "sqnr_db": result.sqnr_db}
+        for variant in VARIANTS
+    }
 
 
-def _metric_names(row: dict) -> list[str]:
-    names: list[str] = []
-    for tool in TOOLS:
-        for key in row[tool].get("metrics", {}):
-            if key in _FORMATS and key not in names:
-                names.append(key)
-    return names
+def evaluate_run(run: dict, fp32: Path, model: Path, recipe: Recipe, args, folder: Path) -> dict:
+    """Evaluate one quantized model into `run` (a failure becomes its status, not an exception)."""
+    try:
+        result = evaluate_models(
+            fp32,
+            model,
+            evaluation_pairs(recipe),
+            threads=args.threads,
+            latency_runs=args.latency_runs,
+            progress=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+        run["status"] = f"evaluation {_failure(exc)}"
+        _log_traceback(folder / "eval.error.txt")
+        return run
+    run["scores"] = _scores(result)
+    run["size_bytes"] = result.quant.file_bytes
+    run["fp32"] = {
+        "accuracy": result.fp32.accuracy,
+        "size_bytes": result.fp32.file_bytes,
+        "samples": result.samples,
+        "labels": result.has_labels,
+    }
+    run["eval"] = result.to_dict()
+    return run
 
 
-def _closer(row: dict, metric: str) -> str:
-    """Which quantized model is closer to FP32 on `metric`; "tie" when the two are equal at the
-    precision the table prints (a difference nobody can see is not a win).
+def run_qtool_set(
+    example: str, method: str, algorithms: tuple[str, ...], base: Recipe, work: Path, args
+) -> dict:
+    """qtool with one range method and one algorithm set, evaluated against its own float model
+    (the `model.fp32.onnx` it wrote: the float function the quantized model must reproduce)."""
+    folder = work / example / method / f"qtool-{algorithm_label(algorithms)}"
+    shutil.rmtree(folder, ignore_errors=True)  # earlier outputs must never count as this run's
+    recipe = with_algorithms(dataclasses.replace(base, output_dir=folder), algorithms)
+    run: dict = {
+        "example": example,
+        "method": method,
+        "quantizer": "qtool",
+        "algorithms": list(algorithms),
+    }
+    try:
+        (fp32, model), wall, cpu = _timed(run_qtool, recipe)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+        run["status"] = _failure(exc)
+        _log_traceback(folder / "error.txt")
+        return run
+    run.update(status="ok", model=str(model), fp32_model=str(fp32), quantize_s=wall)
+    run["quantize_cpu_s"] = cpu
+    run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
+    return evaluate_run(run, fp32, model, recipe, args, folder)
 
-    Accuracy is closer when |FP32 - quantized| is smaller (a quantized model that happens to score
-    higher than FP32 is not "better" at reproducing it); agreement, cosine and SQNR are
-    quantized-vs-FP32 measures where higher is closer."""
-    values = {t: row[t].get("metrics", {}).get(metric) for t in TOOLS}
-    if any(v is None for v in values.values()):
-        return "-"
-    fmt = _FORMATS[metric][1]
-    if fmt.format(values["ort"]) == fmt.format(values["qtool"]):
-        return "tie"
-    if metric == "accuracy":
-        ref = row["fp32"]["accuracy"]
-        score = {t: -abs(ref - v) for t, v in values.items()}
-    else:
-        score = values
-    return max(TOOLS, key=lambda t: score[t])
+
+def run_ort_method(
+    example: str, method: str, fp32: Path | None, recipe: Recipe, work: Path, args
+) -> dict:
+    """ORT's quantize_static from qtool's float model (`fp32`; None: made here by a qtool run),
+    the same batches as qtool."""
+    folder = work / example / method / "ort"
+    shutil.rmtree(folder, ignore_errors=True)
+    run: dict = {"example": example, "method": method, "quantizer": "ort", "algorithms": []}
+    if method not in ORT_METHODS:
+        run["status"] = f"n/a: ORT has no {method} calibrator"
+        return run
+    try:
+        if fp32 is None:  # no qtool run this time (or none succeeded): qtool's float graph alone
+            fp32, _ = run_qtool(dataclasses.replace(recipe, output_dir=folder / "qtool-fp32"))
+        batches = calibration_batches(recipe, recipe.calibration.batch_size)
+        op_types = list(recipe.quantization.op_types)
+        model, wall, cpu = _timed(run_ort, fp32, batches, method, op_types, folder)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+        run["status"] = _failure(exc)
+        _log_traceback(folder / "error.txt")
+        return run
+    run.update(status="ok", model=str(model), fp32_model=str(fp32), quantize_s=wall)
+    run["quantize_cpu_s"] = cpu
+    return evaluate_run(run, fp32, model, recipe, args, folder)
+
+
+def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, record) -> None:
+    """Every method x (ORT, qtool x each algorithm set) on one example; `record(run)` each."""
+    for method in args.methods:
+        calibration = dataclasses.replace(
+            base.calibration, method=method, percentile=PERCENTILE, batch_size=batch_size
+        )
+        recipe = dataclasses.replace(base, calibration=calibration)
+        reference: Path | None = None
+        for algorithms in args.algorithms:
+            if "qtool" in args.quantizers:
+                run = run_qtool_set(example, method, algorithms, recipe, work, args)
+                record(run)
+                if reference is None and run.get("fp32_model"):
+                    reference = Path(run["fp32_model"])
+        if "ort" in args.quantizers:
+            record(run_ort_method(example, method, reference, recipe, work, args))
 
 
 # --------------------------------------------------------------------------- output
 
+# (score key, number format) of the columns, with labels and without
+_LABELLED = (("accuracy", "{:.2%}"), ("agreement", "{:.2%}"), ("sqnr_db", "{:.1f}"))
+_UNLABELLED = (("cosine", "{:.5f}"), ("sqnr_db", "{:.1f}"))
+_TITLES = {
+    "accuracy": "accuracy",
+    "agreement": "top-1 agree",
+    "cosine": "cosine",
+    "sqnr_db": "SQNR",
+}
 
-def _cell(row: dict, tool: str, metric: str) -> str:
-    side = row[tool]
-    if side.get("status", "ok") != "ok":
-        return "[red]failed[/red]"
-    value = side.get("metrics", {}).get(metric)
+
+def _number(value, fmt: str) -> str:
     if value is None:
         return "-"
-    text = _FORMATS[metric][1].format(value)
-    if metric == "accuracy":
-        text += f" ({-side['metrics']['drop_points'] + 0.0:+.2f})"
-    return text
+    if isinstance(value, str):  # "inf" / "-inf" from json_float
+        return value
+    return fmt.format(value)
 
 
-def print_table(console: Console, report: dict) -> None:
-    t = Table(
-        title="Accuracy vs FP32: ONNX Runtime quantize_static vs qtool (same float model, "
-        "same calibration batches, same evaluation set)"
-    )
-    for col in ("example", "method", "metric", "FP32", "ORT", "qtool", "closer to FP32"):
-        t.add_column(col, justify="left" if col in ("example", "method", "metric") else "right")
-    for row in report["runs"]:
-        names = _metric_names(row) or ["-"]
-        for i, metric in enumerate(names):
-            label = _FORMATS[metric][0] if metric in _FORMATS else "-"
-            fp32 = "-"
-            if metric == "accuracy":
-                fp32 = _FORMATS["accuracy"][1].format(row["fp32"]["accuracy"])
-            elif metric in _FORMATS:
-                fp32 = "1.00000" if metric == "cosine" else ("inf" if metric == "sqnr_db" else "-")
-            method = row["method"] + (f" ({PERCENTILE})" if row["method"] == "percentile" else "")
-            closer = row.get("closer", {}).get(metric, "-")
-            t.add_row(
-                row["example"] if i == 0 else "",
-                method if i == 0 else "",
-                label,
-                fp32,
-                _cell(row, "ort", metric) if metric in _FORMATS else _status(row, "ort"),
-                _cell(row, "qtool", metric) if metric in _FORMATS else _status(row, "qtool"),
-                f"[bold]{closer}[/bold]" if closer in TOOLS else closer,
-                end_section=i == len(names) - 1,
-            )
-    console.print(t)
-    if any("accuracy" in _metric_names(r) for r in report["runs"]):
-        console.print("  top-1 accuracy: quantized top-1 (change in points vs FP32)")
-    console.print(
-        "  closer to FP32: smaller |change| for accuracy, higher for agreement, cosine and SQNR; "
-        "tie = equal as printed"
-    )
-    for name, info in report["examples"].items():
+def _quantizer(run: dict) -> str:
+    if run["quantizer"] == "ort":
+        return "ORT quantize_static"
+    return f"qtool {algorithm_label(tuple(run['algorithms']))}"
+
+
+def print_tables(console: Console, report: dict) -> None:
+    """One table per example: FP32, then each method's ORT and qtool rows, fused | unfused."""
+    for example, info in report["examples"].items():
+        runs = [r for r in report["runs"] if r["example"] == example]
+        fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
+        columns = _LABELLED if fp32 and fp32["labels"] else _UNLABELLED
+        t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
+        t.add_column("method")
+        t.add_column("quantizer")
+        for key, _ in columns:
+            t.add_column(f"{_TITLES[key]} fused | unfused", justify="right")
+        for col in ("size kB", "quantize s (CPU s)"):
+            t.add_column(col, justify="right")
+        if fp32:
+            accuracy = _number(fp32["accuracy"], "{:.2%}")
+            cells = [accuracy if key == "accuracy" else "" for key, _ in columns]
+            t.add_row("FP32", "", *cells, f"{fp32['size_bytes'] / 1e3:.1f}", "", end_section=True)
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        for method in methods:
+            rows = [r for r in runs if r["method"] == method]
+            for i, run in enumerate(rows):
+                label = method + (f" ({PERCENTILE})" if method == "percentile" else "")
+                head = [label if i == 0 else "", _quantizer(run)]
+                last = i == len(rows) - 1
+                if "scores" not in run:
+                    status = run.get("status", "-")
+                    text = status if status.startswith("n/a") else "[red]failed[/red]"
+                    t.add_row(*head, text, *[""] * (len(columns) + 1), end_section=last)
+                    continue
+                cells = [
+                    f"{_number(run['scores']['fused'][key], fmt)} | "
+                    f"{_number(run['scores']['unfused'][key], fmt)}"
+                    for key, fmt in columns
+                ]
+                timing = f"{run['quantize_s']:.1f} ({run['quantize_cpu_s']:.1f})"
+                t.add_row(*head, *cells, f"{run['size_bytes'] / 1e3:.1f}", timing, end_section=last)
+        console.print(t)
         console.print(
-            f"  {name}: {info['calibration_samples']} calibration samples in "
-            f"{info['calibration_samples'] // info['batch_size']} batches of "
+            f"  {example}: {info['calibration_samples']} calibration samples in batches of "
             f"{info['batch_size']} (recipe: {info['recipe_batch_size']}), "
-            f"{info.get('evaluation_samples', '?')} evaluation samples"
+            f"{fp32['samples'] if fp32 else '?'} evaluation samples; {info['recipe']}"
         )
     failures = [
-        f"  {r['example']} {r['method']} {tool}: {r[tool]['status']}"
+        f"  {r['example']} {r['method']} {_quantizer(r)}: {r['status']}"
         for r in report["runs"]
-        for tool in TOOLS
-        if r[tool] and r[tool].get("status") != "ok"
+        if r.get("status") != "ok" and not r.get("status", "").startswith("n/a")
     ]
     if failures:
         console.print("[red]Failures (tracebacks under the work folder):[/red]")
@@ -337,23 +410,18 @@ def print_table(console: Console, report: dict) -> None:
             console.print(line, markup=False)
 
 
-def _status(row: dict, tool: str) -> str:
-    return "[red]failed[/red]" if row[tool].get("status", "ok") != "ok" else "-"
-
-
 def versions() -> dict:
     """machine_info() from the calibration benchmark plus the packages this one also uses."""
     import sklearn
-    import transformers
 
     import qtool
 
-    return {
-        **machine_info(),
-        "qtool": qtool.__version__,
-        "scikit-learn": sklearn.__version__,
-        "transformers": transformers.__version__,
-    }
+    info = {**machine_info(), "qtool": qtool.__version__, "scikit-learn": sklearn.__version__}
+    with contextlib.suppress(ImportError):  # only the minilm example needs it
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    return info
 
 
 # --------------------------------------------------------------------------- main
@@ -377,71 +445,86 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--examples", type=_csv(tuple(EXAMPLES)), default=list(EXAMPLES))
     p.add_argument("--methods", type=_csv(METHODS), default=list(METHODS))
-    p.add_argument("--latency-runs", type=int, default=10, help="per evaluation (not the point)")
+    p.add_argument(
+        "--algorithms",
+        type=parse_algorithm_sets,
+        default=default_algorithm_sets(),
+        help="comma list of qtool algorithm sets, `none` or names joined with + (default: none, "
+        "each implemented algorithm alone, the CNN ones together)",
+    )
+    p.add_argument("--quantizers", type=_csv(QUANTIZERS), default=list(QUANTIZERS))
+    p.add_argument("--latency-runs", type=int, default=3, help="per evaluation (not the point)")
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (evaluation)")
     p.add_argument("--json", type=Path, default=RESULTS / "accuracy.json")
     p.add_argument("--work", type=Path, default=RESULTS / "accuracy", help="models and outputs")
     return p.parse_args(argv)
 
 
+def example_info(example: str, base: Recipe) -> dict:
+    """The example's recipe and the equal batch size both tools get (see equal_batch_size)."""
+    samples = count_samples(base)
+    return {
+        "recipe": str(EXAMPLES[example].relative_to(REPO)),
+        "recipe_method": base.calibration.method,
+        "op_types": list(base.quantization.op_types),
+        "calibration_samples": samples,
+        "batch_size": equal_batch_size(samples, base.calibration.batch_size),
+        "recipe_batch_size": base.calibration.batch_size,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     if not console.is_terminal:
-        console.width = 140  # piped into a log: do not wrap the table at 80 columns
+        console.width = 160  # piped into a log: do not wrap the tables at 80 columns
     work = args.work.resolve()
     report: dict = {
         "versions": versions(),
         "settings": {
             "examples": args.examples,
             "methods": args.methods,
+            "algorithm_sets": [list(s) for s in args.algorithms],
+            "quantizers": args.quantizers,
             "percentile": PERCENTILE,
             "latency_runs": args.latency_runs,
             "threads": args.threads,
-            "qtool": "qtool.pipeline.quantize(recipe with calibration.method replaced)",
+            "qtool": "qtool.pipeline.quantize(recipe with calibration.method and "
+            "quantization.algorithms replaced; algorithms at their documented defaults)",
             "ort": "quant_pre_process(qtool's model.fp32.onnx) + quantize_static(QDQ, QUInt8 "
             "activations, QInt8 per-channel weights, the recipe's op types, CalibPercentile "
             f"{PERCENTILE} for percentile, other options at ORT's defaults)",
+            "scores": "gated output; fused = ORT_ENABLE_ALL (what deploys), unfused = "
+            "ORT_DISABLE_ALL (the QDQ semantics); quantize_cpu_s = process CPU seconds",
         },
         "examples": {},
         "runs": [],
     }
     failed = False
+
+    def record(run: dict) -> None:
+        nonlocal failed
+        report["runs"].append(run)
+        failed |= run["status"] != "ok" and not run["status"].startswith("n/a")
+        save_json(report, args.json)
+        timing = f" ({run['quantize_s']:.1f} s)" if "quantize_s" in run else ""
+        console.log(f"{run['example']} {run['method']} {_quantizer(run)}: {run['status']}{timing}")
+
     for example in args.examples:
-        recipe_path = EXAMPLES[example]
-        base = load_recipe(recipe_path, output_dir=work / example / "unused")
-        samples = count_samples(base)
-        batch_size = equal_batch_size(samples, base.calibration.batch_size)
-        info = {
-            "recipe": str(recipe_path.relative_to(REPO)),
-            "recipe_method": base.calibration.method,
-            "op_types": list(base.quantization.op_types),
-            "calibration_samples": samples,
-            "batch_size": batch_size,
-            "recipe_batch_size": base.calibration.batch_size,
-        }
+        try:
+            base = load_recipe(EXAMPLES[example], output_dir=work / example / "unused")
+            info = example_info(example, base)
+        except Exception as exc:  # noqa: BLE001 - e.g. ocr_cls before its fetch.py
+            report["examples"][example] = {"status": _failure(exc)}
+            console.print(f"[red]{example}: {_failure(exc)}[/red]", markup=True)
+            failed = True
+            continue
         report["examples"][example] = info
-        for method in args.methods:
-            with console.status(f"{example} {method}: qtool, ORT, evaluation"):
-                row = run_one(example, method, base, batch_size, work, args)
-            report["runs"].append(row)
-            for tool in TOOLS:
-                evaluated = row[tool].get("eval")
-                if evaluated:
-                    info["evaluation_samples"] = evaluated["samples"]
-            failed |= any(row[t].get("status") != "ok" for t in TOOLS)
-            save_json(report, args.json)
-            console.log(
-                f"{example} {method}: "
-                + ", ".join(
-                    f"{t} {row[t].get('status', '-')}"
-                    + (f" ({row[t]['quantize_s']:.1f} s)" if "quantize_s" in row[t] else "")
-                    for t in TOOLS
-                )
-            )
+        run_example(example, base, info["batch_size"], work, args, record)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save_json(report, args.json)
-    print_table(console, report)
+    report["examples"] = {k: v for k, v in report["examples"].items() if "status" not in v}
+    print_tables(console, report)
     console.print(f"JSON: {args.json}")
     return 1 if failed else 0
 
