@@ -16,11 +16,14 @@ given to one owner:
    several planned nodes map to is split evenly between them;
 2. a node that keeps the name of a written node not in the plan (Softmax, LayerNormalization)
    is "other": its time does not depend on the plan;
-3. the rest (QuantizeLinear, DequantizeLinear, the Transposes of the NHWC layout, anything ORT
-   generated) belongs to the planned nodes it feeds, following its outputs through other such
-   nodes (the Q before a QLinearConv, the DQ of a weight that stayed unfused); where it feeds
-   no planned node, to the planned node it reads from (the DQ that turns an int8 output back to
-   float for a Softmax); else "other". Several owners found at the same step share it evenly.
+3. a QuantizeLinear, DequantizeLinear or layout node (the Transposes and reorders of the NHWC
+   and NCHWc layouts) belongs to the planned nodes it feeds, following its outputs through
+   other such nodes (the Q before a QLinearConv, the DQ of a weight that stayed unfused); where
+   it feeds no planned node, to the planned node it reads from (the DQ that turns an int8
+   output back to float for a Softmax); else "other". Several owners found at the same step
+   share it evenly;
+4. any other node ORT generated (SkipLayerNormalization from an Add and a LayerNorm) is
+   "other".
 
 So a node's int8 time includes quantizing its inputs and dequantizing its outputs for float
 consumers: what turning that one node to int8 costs, which is what the knapsack adds up.
@@ -118,9 +121,12 @@ def kernel_times(
 
 def _float_fallback(name: str, located: Located) -> onnx.NodeProto | None:
     """The ORT node of a planned node `fusion.locate` did not find: in a float model there are
-    no quantized weights to follow, and the NCHWc transform renames a Conv after the tensor it
-    writes (`/relu1/Relu_output_0_nchwc` when a Relu was fused into it) and reorders its weight;
-    so the node is found by a constant input only it reads (its bias), else by that name."""
+    no quantized weights to follow, the NCHWc transform renames a Conv after the tensor it
+    writes (`/relu1/Relu_output_0_nchwc` when a Relu was fused into it) and reorders its weight,
+    and MatMulScaleFusion names a FusedMatMul `<name>/MatMulScaleFusion/` and writes the output
+    of the Mul it absorbed. So the node is found by a constant input only it reads (its bias),
+    else by a name derived from its own, else as the writer of its output (or of its single
+    consumer's output)."""
     qdq, ort = located.qdq, located.ort
     node = located.planned[name]
     own = [
@@ -131,15 +137,22 @@ def _float_fallback(name: str, located: Located) -> onnx.NodeProto | None:
     for candidate in ort.nodes:
         if candidate.op_type not in _FOLLOW and any(t in candidate.input for t in own):
             return candidate
+    for candidate in ort.nodes:
+        if candidate.name.startswith(name + "/") and candidate.op_type not in _FOLLOW:
+            return candidate
     written = list(node.output)
     for out in node.output:
         consumers = qdq.consumers.get(out, [])
-        if len(consumers) == 1:  # an activation ORT fuses into the node
+        if len(consumers) == 1:  # an activation or scale ORT fuses into the node
             written.extend(consumers[0].output)
     for tensor in written:
         found = ort.by_name.get(f"{tensor}_nchwc")
         if found:
             return found[0]
+    for tensor in written:
+        producer = ort.producer.get(tensor)
+        if producer is not None and producer.op_type not in _FOLLOW:
+            return producer
     return None
 
 
@@ -192,6 +205,11 @@ def _owners(located: Located) -> dict[str, list[str]]:
 
     for node in ort.nodes:
         if node.name in owners:
+            continue
+        # Only the Q/DQ and layout nodes around a planned node are its cost; a node ORT
+        # generated for other work (SkipLayerNormalization from an Add and a LayerNorm) is not.
+        if node.op_type not in _FOLLOW:
+            owners[node.name] = [OTHER]
             continue
         owners[node.name] = walk(node, True) or walk(node, False) or [OTHER]
     return owners
