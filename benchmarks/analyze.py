@@ -8,6 +8,10 @@ verify and promote. Then the float model, the all-int8 model, the int4 model (in
 not a candidate) and the chosen plan are compared: the budget's metric on the evaluation set,
 file size, and batch-1 latency (`qtool evaluate`'s timing loop, sessions alternated).
 
+`--objective latency` minimises the profiled per-node time instead of the bytes (digits and
+minilm then run their recipe-auto-latency.yaml); the table gives each plan's speed vs float and
+vs all-int8 either way.
+
 - digits: examples/digits/recipe-auto.yaml (accuracy within 0.5 points, int4/int8/float);
 - minilm: examples/minilm/recipe-auto.yaml (cosine >= 0.99; needs `qtool[minilm]`);
 - cnn: the ResNet-18 of benchmarks/calibration.py at 224x224, random weights, N(0, 1) inputs
@@ -41,10 +45,11 @@ MODELS = ("digits", "cnn", "minilm")
 CNN_MIN_COSINE = 0.999
 
 
-def _recipe(name: str, work: Path) -> Recipe:
+def _recipe(name: str, work: Path, objective: str = "size") -> Recipe:
     out = work / name
     if name in ("digits", "minilm"):
-        return load_recipe(REPO / "examples" / name / "recipe-auto.yaml", out)
+        file = "recipe-auto.yaml" if objective == "size" else f"recipe-auto-{objective}.yaml"
+        return load_recipe(REPO / "examples" / name / file, out)
     model = build_cnn(work / "models", small=False)
     data = write_calibration_data(model, [64], work / "data")[64]
     held_out = work / "data" / "cnn_eval.npz"
@@ -52,7 +57,11 @@ def _recipe(name: str, work: Path) -> Recipe:
     path = write_recipe(model, data, "entropy", out)
     raw = yaml.safe_load(path.read_text())
     raw["evaluation"] = {"data": {"npz": str(held_out)}, "batch_size": 8}
-    raw["mixed_precision"] = {"budget": {"min_cosine": CNN_MIN_COSINE}, "samples": 16}
+    raw["mixed_precision"] = {
+        "objective": objective,
+        "budget": {"min_cosine": CNN_MIN_COSINE},
+        "samples": 16,
+    }
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return load_recipe(path, out)
 
@@ -65,8 +74,10 @@ def _feed(recipe: Recipe) -> dict[str, np.ndarray]:
     return batch.inputs
 
 
-def run_model(name: str, work: Path, threads: int, runs: int, console: Console) -> dict:
-    recipe = _recipe(name, work)
+def run_model(
+    name: str, work: Path, threads: int, runs: int, console: Console, objective: str = "size"
+) -> dict:
+    recipe = _recipe(name, work, objective)
     start = time.perf_counter()
     prepared = prepare(recipe)
     _, _, _, outcome = search_stage(
@@ -92,6 +103,7 @@ def run_model(name: str, work: Path, threads: int, runs: int, console: Console) 
     return {
         "model": name,
         "recipe": str(recipe.path),
+        "objective": objective,
         "passed": block["passed"],
         "budget": block["budget"],
         "metric": block["metric"]["name"],
@@ -131,15 +143,17 @@ def print_tables(console: Console, results: list[dict], machine: dict) -> None:
             str(r["iterations"]),
         )
     console.print(cost)
-    plans = Table(title="Mixed precision vs uniform plans (batch-1 latency)")
-    for column in ("model", "plan", "metric", "size", "latency ms", "vs float"):
+    plans = Table(title="Mixed precision vs uniform plans (batch-1 latency; speed vs float, int8)")
+    for column in ("model", "plan", "metric", "size", "latency ms", "vs float", "vs int8"):
         plans.add_column(column, justify="left" if column in ("model", "plan") else "right")
     for r in results:
         base = r["rows"]["float"]["latency_ms_median"]
+        int8 = r["rows"].get("int8", {}).get("latency_ms_median")
         for key, row in r["rows"].items():
             label = {"int4": "int4 (else int8)", "int8": "all int8"}.get(key, key)
             if key == "chosen":
-                label = "chosen: " + ", ".join(f"{n} {p}" for p, n in r["counts"].items())
+                counts = ", ".join(f"{n} {p}" for p, n in r["counts"].items())
+                label = f"chosen ({r['objective']}): {counts}"
             plans.add_row(
                 r["model"],
                 label,
@@ -147,6 +161,7 @@ def print_tables(console: Console, results: list[dict], machine: dict) -> None:
                 f"{row['size_bytes'] / 1e6:.2f} MB",
                 f"{row['latency_ms_median']:.3f}",
                 f"{base / row['latency_ms_median']:.2f}x",
+                f"{int8 / row['latency_ms_median']:.2f}x" if int8 else "",
             )
     console.print(plans)
 
@@ -164,6 +179,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", type=_csv, default=list(MODELS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", type=int, default=50)
+    p.add_argument(
+        "--objective",
+        choices=("size", "latency"),
+        default="size",
+        help="mixed_precision.objective (digits and minilm: recipe-auto-latency.yaml)",
+    )
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "results" / "analyze")
     p.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "analyze.json")
     return p.parse_args(argv)
@@ -179,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if folder.exists():  # a fresh folder: the analysis cache must not answer
             for path in sorted(folder.rglob("*"), reverse=True):
                 path.unlink() if path.is_file() else path.rmdir()
-        results.append(run_model(name, args.work, args.threads, args.runs, console))
+        results.append(run_model(name, args.work, args.threads, args.runs, console, args.objective))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
     print_tables(console, results, machine)

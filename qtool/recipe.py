@@ -985,12 +985,6 @@ def _read_mixed_precision(
     if evaluation is None:
         raise reader.fail(where, "needs an evaluation: section (plans are verified on its data)")
     objective = reader.choice(raw.get("objective", "size"), f"{where}.objective", MIXED_OBJECTIVES)
-    if objective == "latency":
-        raise reader.fail(
-            f"{where}.objective",
-            "latency is not implemented in this version of qtool yet (per-node times from ONNX "
-            "Runtime's profiler are not mapped to plan nodes yet); use size",
-        )
     budget = None
     if "budget" in raw:
         budget = _read_budget(reader, raw["budget"], f"{where}.budget")

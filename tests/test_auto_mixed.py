@@ -251,7 +251,6 @@ def test_candidates_follow_the_target_and_the_opset(folder):
     ("mixed", "evaluation", "message"),
     [
         ({"objective": "speed"}, {"min_sqnr": 20}, "mixed_precision.objective: must be one of"),
-        ({"objective": "latency"}, {"min_sqnr": 20}, "latency is not implemented"),
         ({"bogus": 1}, {"min_sqnr": 20}, "mixed_precision.bogus: unknown key"),
         ({"candidates": ["int2"]}, {"min_sqnr": 20}, "mixed_precision.candidates[0]: must be"),
         ({"candidates": ["int8", "int8"]}, {"min_sqnr": 20}, "candidates[1]: 'int8' is listed"),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import onnx
 from rich.console import Console
 
@@ -35,7 +36,7 @@ from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.data import Batch, iter_batches
 from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
-from qtool.evaluate import measure_latency
+from qtool.evaluate import latency_feed, measure_latency
 from qtool.mixed import costs
 from qtool.mixed.budget import Budget, resolve_budget
 from qtool.mixed.candidates import ORDER, model_candidates, node_candidates
@@ -46,11 +47,13 @@ from qtool.ort_session import create_session
 from qtool.phases import phase
 from qtool.recipe import MixedPrecisionSpec, Override, Recipe
 from qtool.runtime.cpu import resolve_cpu
+from qtool.runtime.profile import NodeTimes, node_times
 
 if TYPE_CHECKING:  # pipeline imports this module inside its quantize stage (no cycle)
     from qtool.pipeline import PreparedModel
 
 LATENCY_RUNS = 30
+PROFILE_RUNS = 20  # profiled runs per uniform model (median per node) for objective: latency
 ANALYSIS_MODES = ("one-at-a-time",)
 
 
@@ -70,11 +73,15 @@ class MixedOutcome:
 
 @dataclass
 class _Problem:
-    """The search's inputs: per-node choices (cost, penalty), and the models that priced them."""
+    """The search's inputs: per-node choices (cost to minimise, penalty), the same choices
+    priced in bytes (the predicted size), the models that priced them, and with the latency
+    objective their per-node profiles (precision -> runtime.profile.NodeTimes)."""
 
     options: dict[str, list[Choice]]
+    sizes: dict[str, list[Choice]]
     float_size: int
     references: dict[str, tuple[bytes, dict[str, str]]]  # precision -> (model, plan)
+    profiles: dict[str, NodeTimes] = field(default_factory=dict)
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -118,6 +125,28 @@ def _assembler(recipe: Recipe, prepared: PreparedModel, stats_path: Path) -> Ass
     )
 
 
+def _op_types(model: bytes, names: Sequence[str]) -> dict[str, str]:
+    """Each planned node's op type as written in `model` (a 4-bit MatMul is MatMulNBits)."""
+    written = {n.name: n.op_type for n in onnx.load_model_from_string(model).graph.node}
+    return {name: written[name] for name in names}
+
+
+def _profiles(
+    prepared: PreparedModel,
+    references: Mapping[str, tuple[bytes, dict[str, str]]],
+    names: Sequence[str],
+    feed: Mapping[str, np.ndarray],
+) -> dict[str, NodeTimes]:
+    """Per-node medians (runtime/profile) on the float model and on each all-int8 / all-int4
+    model: a node's time at a precision is read from the uniform model that runs it so."""
+    models = {"float": prepared.serialized}
+    models.update({p: model for p, (model, _) in references.items()})
+    return {
+        precision: node_times(model, _op_types(model, names), feed, PROFILE_RUNS)
+        for precision, model in models.items()
+    }
+
+
 def _problem(
     recipe: Recipe,
     prepared: PreparedModel,
@@ -126,9 +155,11 @@ def _problem(
     candidates: Sequence[str],
     explicit: bool,
     notes: list[str],
+    feed: Mapping[str, np.ndarray] | None = None,
 ) -> _Problem:
     """Each node's choices: its candidates that were measured and that the layout really gives
-    it, priced in bytes from the all-int8 and all-int4 models the writer builds."""
+    it, priced in bytes from the all-int8 and all-int4 models the writer builds, and with a
+    `feed` (the latency objective) in profiled microseconds on those models and the float one."""
     target = recipe.quantization.target
     units = analysis.nodes
     names = [u.name for u in units]
@@ -172,20 +203,40 @@ def _problem(
         references[precision] = (model.SerializeToString(), plan)
         for name in chosen:
             prices[name][precision] = costs.node_bytes(model, inputs[name])
+    profiles = _profiles(prepared, references, names, feed) if feed is not None else {}
+    sizes: dict[str, list[Choice]] = {}
     options: dict[str, list[Choice]] = {}
     for name in names:
-        choices = [
-            Choice(p, float(prices[name][p]), analysis.penalty(name, p))
-            for p in ("float", "int8", "int4")
-            if p in allowed[name] and p in prices[name]
-        ]
-        if not choices:
+        usable = [p for p in ("float", "int8", "int4") if p in allowed[name] and p in prices[name]]
+        if not usable:
             raise RecipeError(
                 f"{recipe.path}: mixed_precision: node {name!r} has no usable candidate among "
                 f"{', '.join(candidates)} (add float to mixed_precision.candidates)"
             )
-        options[name] = choices
-    return _Problem(options, len(prepared.serialized), references)
+        sizes[name] = [Choice(p, float(prices[name][p]), analysis.penalty(name, p)) for p in usable]
+        options[name] = sizes[name]
+        if profiles:
+            options[name] = [
+                Choice(p, profiles[p].nodes[name], analysis.penalty(name, p)) for p in usable
+            ]
+    return _Problem(options, sizes, len(prepared.serialized), references, profiles)
+
+
+def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | None:
+    """The profiler's sum for `plan`: the float model's time outside the planned nodes plus
+    each node's time at its precision; beside it the uniform models' profiled totals."""
+    if not problem.profiles:
+        return None
+    rest = problem.profiles["float"].other_us
+    nodes = sum(problem.profiles[p].nodes[n] for n, p in plan.items())
+    return {
+        "profiled_us": round(rest + nodes, 2),
+        "planned_nodes_us": round(nodes, 2),
+        "other_us": round(rest, 2),
+        "uniform_profiled_us": {p: round(t.total_us, 2) for p, t in problem.profiles.items()},
+        "runs": PROFILE_RUNS,
+        "threads": 1,
+    }
 
 
 def _start(problem: _Problem, budget: Budget, notes: list[str]) -> tuple[dict[str, str], str]:
@@ -203,22 +254,33 @@ def _start(problem: _Problem, budget: Budget, notes: list[str]) -> tuple[dict[st
     return start, "least-penalty plan"
 
 
-def _latency(float_model: bytes, model: bytes, batches: Sequence[Batch]) -> dict:
-    """Batch-1 median latency of the float and the chosen model, measured here."""
-    sessions = [create_session(m) for m in (float_model, model)]
-    feed = {name: array[:1].copy() for name, array in batches[0].inputs.items()}
-    try:
-        sessions[0].run(None, feed)
-    except Exception:  # a model with a fixed batch > 1: time its whole batch
-        feed = dict(batches[0].inputs)
-    (float_ms, _), (model_ms, _) = measure_latency(sessions, feed, LATENCY_RUNS)
-    return {
+def _feed(model: bytes, batches: Sequence[Batch]) -> dict[str, np.ndarray]:
+    """The batch-1 feed every latency here is timed on (the fixed batch where the model has
+    one)."""
+    shapes = [i.shape for i in create_session(model, threads=1).get_inputs()]
+    return latency_feed(batches[0].inputs, shapes)[0]
+
+
+def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dict:
+    """Median latency of the float, the all-int8 and the chosen model, measured here with one
+    intra-op thread (stable on a shared machine), sessions alternated run by run."""
+    labels = list(models)
+    sessions = [create_session(models[k], threads=1) for k in labels]
+    timings = dict(zip(labels, measure_latency(sessions, dict(feed), LATENCY_RUNS), strict=True))
+    float_ms, model_ms = timings["float"][0], timings["chosen"][0]
+    block = {
         "batch": int(next(iter(feed.values())).shape[0]),
         "runs": LATENCY_RUNS,
+        "threads": 1,
         "float_ms_median": float_ms,
         "model_ms_median": model_ms,
         "speedup": float_ms / model_ms if model_ms > 0 else None,
     }
+    if "int8" in timings:
+        int8_ms = timings["int8"][0]
+        block["int8_ms_median"] = int8_ms
+        block["vs_int8"] = int8_ms / model_ms if model_ms > 0 else None
+    return block
 
 
 def search_stage(
@@ -273,8 +335,12 @@ def search_stage(
         )
     stats_path = stats_path or recipe.stats_path
     assembler = _assembler(recipe, prepared, stats_path)
+    feed = _feed(prepared.serialized, batches)
+    timed = feed if spec.objective == "latency" else None
     with phase("pricing each node's precisions"):
-        problem = _problem(recipe, prepared, analysis, assembler, candidates, explicit, notes)
+        problem = _problem(
+            recipe, prepared, analysis, assembler, candidates, explicit, notes, timed
+        )
     start, action = _start(problem, budget, notes)
     scorer = Scorer(prepared.serialized, batches, recipe.evaluation, budget.metric)
     console.print(
@@ -316,6 +382,7 @@ def search_stage(
             measure,
             spec.max_iterations,
             action,
+            sizes=problem.sizes,
             report=lambda it: console.print(
                 iteration_line(it, budget, scorer.float_value), highlight=False, markup=False
             ),
@@ -328,7 +395,17 @@ def search_stage(
         references[precision] = {"size_bytes": len(reference), "metric": score.value}
     references["float"] = {"size_bytes": problem.float_size, "metric": scorer.float_value}
     with phase("measuring latency"):
-        latency = _latency(prepared.serialized, model_bytes, batches)
+        timed_models = {"float": prepared.serialized, "chosen": model_bytes}
+        if "int8" in problem.references:
+            timed_models["int8"] = problem.references["int8"][0]
+        latency = _latency(timed_models, feed)
+    predicted_latency = _predicted_latency(problem, chosen.precisions)
+    if predicted_latency is not None:
+        notes.append(
+            "latency per node: medians of ONNX Runtime's profiler over "
+            f"{PROFILE_RUNS} runs, one intra-op thread, on this machine; profiled sums exclude "
+            "session overhead and are noisy on a shared machine"
+        )
 
     extra = _pins(chosen.precisions)
     quantization = dataclasses.replace(
@@ -356,12 +433,14 @@ def search_stage(
         scorer,
         analysis,
         candidates,
-        problem.options,
+        problem.sizes,
         result,
         references,
         latency,
         {"plan": str(plan_path), "model": str(model_path)},
         notes,
+        problem.options if problem.profiles else None,
+        predicted_latency,
     )
     models = {}
     if keep_models:

@@ -81,23 +81,27 @@ def mixed_block(
     latency: dict,
     files: Mapping[str, str],
     notes: Sequence[str],
+    times: Mapping[str, Sequence[Choice]] | None = None,
+    predicted_latency: dict | None = None,
 ) -> dict:
     """report.json's `mixed_precision`: the budget, what the analysis predicted and what the
-    evaluation set measured for the chosen plan, every plan tried, and each node's choices."""
+    evaluation set measured for the chosen plan, every plan tried, and each node's choices.
+    `options` are priced in bytes; `times`, with the latency objective, in profiled us, and
+    `predicted_latency` is the profiler's sum for the chosen plan."""
     chosen = result.chosen
     history = [_iteration_dict(it, budget, scorer.float_value) for it in result.iterations]
     nodes = []
     for name, choices in options.items():
-        nodes.append(
-            {
-                "name": name,
-                "precision": chosen.precisions[name],
-                "choices": {
-                    c.precision: {"bytes": int(c.cost), "penalty": json_float(c.penalty)}
-                    for c in choices
-                },
-            }
-        )
+        us = {c.precision: c.cost for c in (times or {}).get(name, ())}
+        priced = {}
+        for c in choices:
+            priced[c.precision] = {"bytes": int(c.cost), "penalty": json_float(c.penalty)}
+            if c.precision in us:
+                priced[c.precision]["latency_us"] = round(us[c.precision], 2)
+        nodes.append({"name": name, "precision": chosen.precisions[name], "choices": priced})
+    predicted = dict(history[chosen.index - 1]["predicted"])
+    if predicted_latency is not None:
+        predicted["latency"] = predicted_latency
     return {
         "passed": result.passed,
         "reason": result.reason,
@@ -117,7 +121,7 @@ def mixed_block(
             "seconds": round(analysis.seconds, 3),
         },
         "chosen_iteration": chosen.index,
-        "predicted": history[chosen.index - 1]["predicted"],
+        "predicted": predicted,
         "measured": {**history[chosen.index - 1]["measured"], "latency": latency},
         "references": {
             p: {"size_bytes": r["size_bytes"], "metric": json_float(r["metric"])}
@@ -140,30 +144,49 @@ def summary_table(block: dict) -> Table:
         f"{_budget_text(block['budget'])})",
         title_justify="left",
     )
-    for column in ("plan", "nodes", metric, "size", "vs float"):
+    latency = block["measured"].get("latency", {})
+    columns = ["plan", "nodes", metric, "size", "vs float"]
+    if "float_ms_median" in latency:
+        columns.append("latency ms")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("plan", "nodes") else "right")
+    timed = {
+        "float": latency.get("float_ms_median"),
+        "int8": latency.get("int8_ms_median"),
+        "chosen": latency.get("model_ms_median"),
+    }
     float_size = block["references"]["float"]["size_bytes"]
     for precision in ("float", "int8", "int4"):
         reference = block["references"].get(precision)
         if reference is None:
             continue
         label = {"float": "float", "int8": "all int8", "int4": "int4 (else int8)"}[precision]
-        table.add_row(
+        row = [
             label,
             "",
             _value(metric, float(reference["metric"])),
             _size(reference["size_bytes"]),
             f"{reference['size_bytes'] / float_size:.2f}x",
-        )
+        ]
+        if len(columns) > 5:
+            row.append(_ms(timed.get(precision)))
+        table.add_row(*row)
     measured = block["measured"]
-    table.add_row(
+    row = [
         f"chosen (plan {block['chosen_iteration']})",
         _counts(block["counts"]),
         _value(metric, float(measured["metric"])),
         _size(measured["size_bytes"]),
         f"{measured['size_bytes'] / float_size:.2f}x",
-    )
+    ]
+    if len(columns) > 5:
+        row.append(_ms(timed["chosen"]))
+    table.add_row(*row)
     return table
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def _budget_text(budget: dict) -> str:

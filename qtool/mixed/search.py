@@ -132,9 +132,12 @@ def verify_and_promote(
     max_iterations: int,
     first_action: str,
     report: Callable[[Iteration], None] = lambda it: None,
+    sizes: Mapping[str, Sequence[Choice]] | None = None,
 ) -> SearchResult:
     """Score `start`, then promote and score again until the budget holds or no more plans may
-    be tried. `measure(plan)` builds and scores a plan; `report` is called after each."""
+    be tried. `measure(plan)` builds and scores a plan; `report` is called after each.
+    `sizes`: the choices priced in bytes, where `options` price another objective (latency)."""
+    sizes = options if sizes is None else sizes
     allowed = {node: [c.precision for c in choices] for node, choices in options.items()}
     plan = dict(start)
     promotions: Counter = Counter()
@@ -149,7 +152,7 @@ def verify_and_promote(
             action,
             dict(plan),
             predicted_penalty(options, plan),
-            predicted_size(options, plan, float_size),
+            predicted_size(sizes, plan, float_size),
             measured,
             passed,
             time.perf_counter() - begin,

@@ -610,6 +610,26 @@ def _planned_node(name: str, op_type: str, qdq: _Index) -> onnx.NodeProto:
     return node
 
 
+@dataclass
+class Located:
+    """Planned nodes of a QDQ (or float) model and the ORT nodes that execute them."""
+
+    qdq: _Index  # the model as written
+    ort: _Index  # ORT's optimized graph of it
+    planned: dict[str, onnx.NodeProto]  # name -> node in the written model
+    found: dict[str, onnx.NodeProto | None]  # name -> ORT node (None: removed)
+
+
+def locate(model: bytes | Path, planned: dict[str, str], threads: int = 1) -> Located:
+    """Find each planned node (name -> op type) in ORT's optimized graph of `model` by the
+    mapping rule of `fusion_truth`; shared by it and the per-node profiler (runtime/profile)."""
+    qdq = _Index(_load_structure(model, "quantized model"))
+    nodes = {name: _planned_node(name, op_type, qdq) for name, op_type in planned.items()}
+    ort = _Index(optimized_graph(model, threads))
+    found = {name: _find_ort_node(node, qdq, ort) for name, node in nodes.items()}
+    return Located(qdq, ort, nodes, found)
+
+
 def fusion_truth(
     quantized: bytes | Path, planned: dict[str, str], threads: int = 1
 ) -> dict[str, NodeRuntime]:
@@ -622,12 +642,11 @@ def fusion_truth(
     name, re-created nodes get GenerateNodeName(old name), and no fusion renames the initializers
     it moves into the fused node. Results come back in the order of `planned`.
     """
-    qdq = _Index(_load_structure(quantized, "quantized model"))
-    nodes = {name: _planned_node(name, op_type, qdq) for name, op_type in planned.items()}
-    ort = _Index(optimized_graph(quantized, threads))
+    located = locate(quantized, planned, threads)
+    qdq, ort = located.qdq, located.ort
     truth: dict[str, NodeRuntime] = {}
-    for name, node in nodes.items():
-        found = _find_ort_node(node, qdq, ort)
+    for name, node in located.planned.items():
+        found = located.found[name]
         if found is None:
             truth[name] = NodeRuntime(
                 node.op_type,
