@@ -168,17 +168,13 @@ def prepare(recipe: Recipe) -> PreparedModel:
             staged = external_data.stage_model(model, recipe.float_model_path)
             del model
             model = staged.load()
-        return PreparedModel(
-            model, None, staged.sha256, layout, source, staged, equalization
-        )
+        return PreparedModel(model, None, staged.sha256, layout, source, staged, equalization)
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
-    return PreparedModel(
-        model, serialized, fingerprint, layout, source, equalization=equalization
-    )
+    return PreparedModel(model, serialized, fingerprint, layout, source, equalization=equalization)
 
 
 @dataclass
