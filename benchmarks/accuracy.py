@@ -280,9 +280,15 @@ def run_qtool_set(
         run["status"] = _failure(exc)
         _log_traceback(folder / "error.txt")
         return run
+    run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
+    return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
+
+
+def _finish(run: dict, fp32, model, seconds: tuple[float, float], recipe, args, folder) -> dict:
+    """A quantizer that succeeded: its files and times recorded, then its model evaluated."""
+    wall, cpu = seconds
     run.update(status="ok", model=str(model), fp32_model=str(fp32), quantize_s=wall)
     run["quantize_cpu_s"] = cpu
-    run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
     return evaluate_run(run, fp32, model, recipe, args, folder)
 
 
@@ -307,9 +313,7 @@ def run_ort_method(
         run["status"] = _failure(exc)
         _log_traceback(folder / "error.txt")
         return run
-    run.update(status="ok", model=str(model), fp32_model=str(fp32), quantize_s=wall)
-    run["quantize_cpu_s"] = cpu
-    return evaluate_run(run, fp32, model, recipe, args, folder)
+    return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
 
 
 def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, record) -> None:
