@@ -33,8 +33,8 @@
 // vectors, then extracted to general registers and counted with one increment each into uint16
 // staging slots. What limits the speed is the increments, not the arithmetic (the same loop
 // without them runs at ~6.5 G elements/s per core on AMD Zen 4), so:
-//  - `copies` interleaved copies (lane l counts into copy l % copies, each copy its own base
-//    pointer, so the copy costs no instruction): runs of equal bins (constant tensors, discrete
+//  - `copies` interleaved copies (lane l counts into copy l % copies, its offset added to the
+//    lane's index): runs of equal bins (constant tensors, discrete
 //    values, heavy tails) then do not chain every increment on one address (a store-to-load round
 //    trip each). More copies cost L1 space, so each block of 32768 * copies elements picks them
 //    from the block before (copies_for_peak): 8 when its fullest bin held over 1/32 of it, 4 over
@@ -370,6 +370,8 @@ struct Vec {
     q[1] = _mm256_extracti128_si256(idx, 1);
   }
   static void store(float* out, F v) { _mm256_storeu_ps(out, v); }
+  static I load_i(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const I*>(p)); }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
 };
 
 #include "cpu_simd_body.inc"
@@ -473,6 +475,8 @@ struct Vec {
     q[3] = _mm512_extracti32x4_epi32(idx, 3);
   }
   static void store(float* out, F v) { _mm512_storeu_ps(out, v); }
+  static I load_i(const int32_t* p) { return _mm512_load_si512(p); }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
 };
 
 #undef QT_RD
