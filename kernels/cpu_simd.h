@@ -34,16 +34,17 @@
 // staging slots. What limits the speed is the increments, not the arithmetic (the same loop
 // without them runs at ~6.5 G elements/s per core on AMD Zen 4), so:
 //  - `copies` interleaved copies (lane l counts into copy l % copies, its offset added to the
-//    lane's index): runs of equal bins (constant tensors, discrete
-//    values, heavy tails) then do not chain every increment on one address (a store-to-load round
-//    trip each). More copies cost L1 space, so each block of 32768 * copies elements picks them
+//    lane's index): runs of equal bins (constant tensors, discrete values, heavy tails) then do
+//    not chain every increment on one address (a store-to-load round trip each). More copies
+//    cost L1 space, so each block of 32768 * copies elements picks them
 //    from the block before (copies_for_peak): 8 when its fullest bin held over 1/32 of it, 4 over
 //    1/256, else 2. Measured on Zen 4, 10^8 elements, G elements per CPU-second: t4 data
 //    (R = 256) 1.8 / 2.0 / 2.2 with 2 / 4 / 8 copies, uniform over the range 2.2 / 1.45 / -,
 //    normal 2.2-2.4 with 2 or 4;
 //  - uint16 slots, so 4 copies of 4096 bins take 32 KB, not 64 (4 uint32 copies: 1.7 G/s on
 //    normal data against 2.4). They are flushed into the thread's int64 counts after every block
-//    (no slot can pass 32768 + 64), only over the bins the block's min/max can reach;
+//    (no slot can pass 32768; tails and vectors holding NaN/Inf are counted straight into the
+//    int64 counts by scalar_observe), only over the bins the block's min/max can reach;
 //  - exact zeros (half of a Relu output) count into a slot per lane and unrolled vector, added to
 //    the zero's bin at the flush, so they never chain either;
 //  - bins of 4 vectors are computed before any is counted: a load that follows a pending store
