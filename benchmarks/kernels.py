@@ -15,7 +15,13 @@ threads of this process): on a shared machine the second is the per-core figure 
 processes disturb least. CUDA rows (copies included) appear when a GPU is usable. Prints a table
 and writes JSON (default benchmarks/results/kernels.json).
 
+`--compare-lib OLD.so` adds the rows of another build of libqtool_cpu.so (a copy of
+qtool/_lib/libqtool_cpu.so from before a kernel change), measured in the same process on the same
+arrays, alternating with this build `--rounds` times (best of all): before/after figures that the
+load of a shared machine disturbs alike.
+
     python -m benchmarks.kernels [--elements 100000000] [--repeats 5] [--dists normal,relu]
+    python -m benchmarks.kernels --compare-lib /tmp/old.so --threads 1 --isas avx2,avx512
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +113,47 @@ def bench_streaming(
     return rows
 
 
+@contextmanager
+def _library(path: Path | None) -> Iterator[None]:
+    """Kernels from another build of the CPU library while inside (None: this build)."""
+    if path is None:
+        yield
+        return
+    saved = k.CPU_LIB
+    k.CPU_LIB, k._cpu = path, None
+    try:
+        yield
+    finally:
+        k.CPU_LIB, k._cpu = saved, None
+
+
+def bench_compared(
+    x: np.ndarray,
+    repeats: int,
+    thread_counts: list[int],
+    baseline: Path,
+    rounds: int,
+    isas: list[str] | None = None,
+) -> list[dict]:
+    """bench_streaming for this build and `baseline`, alternated `rounds` times; each row keeps
+    its best round and says which build it is."""
+    best: dict[tuple, dict] = {}
+    for _ in range(rounds):
+        for build, path in (("baseline", baseline), ("this", None)):
+            with _library(path):
+                for row in bench_streaming(x, repeats, thread_counts, isas):
+                    key = ("floor" if row["isa"] == "numpy" else build, row["kernel"], row["isa"])
+                    key = (*key, row["threads"])
+                    if key not in best or row["cpu_s"] < best[key]["cpu_s"]:
+                        best[key] = {**row, "build": key[0]}
+    rows = list(best.values())
+    floor = min(r["wall_s"] for r in rows if r["isa"] == "numpy")
+    for row in rows:
+        row["vs_floor"] = floor / row["wall_s"]
+    order = {"floor": 0, "baseline": 1, "this": 2}
+    return sorted(rows, key=lambda r: (order[r["build"]], r["isa"], r["threads"]))
+
+
 def bench_searches(x: np.ndarray, repeats: int) -> dict[str, dict[str, float]]:
     """KL and MSE searches (and CPU vs CUDA for everything when a GPU is usable), in ms."""
     r = _power_of_two_above(x)
@@ -183,9 +231,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "kernels.json")
     parser.add_argument("--weight", default="1536x384", help="INT4 MSE search weight K x N")
     parser.add_argument("--block", type=int, default=32, help="INT4 MSE search block (along K)")
+    parser.add_argument("--compare-lib", type=Path, help="another libqtool_cpu.so build to compare")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations with --compare-lib")
+    parser.add_argument("--isas", help="instruction sets, comma-separated (default: all)")
     args = parser.parse_args()
 
     default_threads = k.cpu_threads()
+    isas = args.isas.split(",") if args.isas else None
     thread_counts = sorted(
         {default_threads if t == "all" else int(t) for t in args.threads.split(",")}
     )
@@ -205,16 +257,25 @@ def main() -> None:
     }
     print(f"{_cpu_name()}; ISAs {k.supported_cpu_isas()}; load average {os.getloadavg()[0]:.1f}")
     print(f"{args.elements:,} float32 elements, {NBINS} bins, best of {args.repeats}")
-    header = f"{'dist':<7}{'kernel':<22}{'isa':<8}{'thr':>4}{'wall G/s':>10}{'G/cpu-s':>9}"
-    print(header + f"{'x floor':>9}")
+    if args.compare_lib is not None:
+        report["compare_lib"] = str(args.compare_lib)
+    build_col = f"{'build':<9}" if args.compare_lib is not None else ""
+    header = f"{'dist':<7}{build_col}{'kernel':<22}{'isa':<8}{'thr':>4}{'wall G/s':>10}"
+    print(header + f"{'G/cpu-s':>9}{'x floor':>9}")
     for dist in args.dists.split(","):
         x = _data(dist, args.elements)
-        rows = bench_streaming(x, args.repeats, thread_counts)
+        if args.compare_lib is None:
+            rows = bench_streaming(x, args.repeats, thread_counts, isas)
+        else:
+            rows = bench_compared(
+                x, args.repeats, thread_counts, args.compare_lib, args.rounds, isas
+            )
         report["streaming"][dist] = rows
         for row in rows:
             per_cpu = "-" if row["g_per_cpu_s"] is None else f"{row['g_per_cpu_s']:.2f}"
+            build = f"{row['build']:<9}" if args.compare_lib is not None else ""
             print(
-                f"{dist:<7}{row['kernel']:<22}{row['isa']:<8}{row['threads']:>4}"
+                f"{dist:<7}{build}{row['kernel']:<22}{row['isa']:<8}{row['threads']:>4}"
                 f"{row['g_per_s']:>10.2f}{per_cpu:>9}{row['vs_floor']:>8.2f}x"
             )
         if dist == args.dists.split(",")[0]:

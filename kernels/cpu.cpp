@@ -138,13 +138,12 @@ BinParams make_params(float half_range, int64_t nbins) {
   return p;
 }
 
-// Per-thread uint32 counts, reused across calls (pool threads are persistent). Zeroed per call.
+// Per-thread counts, reused across calls (pool threads are persistent): the uint16 staging slots
+// and the int64 counts are all zero between calls, so a call touches only the bins it uses.
 struct ThreadHist {
-  std::vector<uint32_t> slots;
-  std::vector<int64_t> wide;  // flushed uint32 counts, only for > 2^31 elements per thread
+  std::vector<uint16_t> stage;
+  std::vector<int64_t> counts;
   LocalHist view{};
-  int64_t since_flush = 0;
-  bool flushed = false;
 };
 
 ThreadHist& thread_hist() {
@@ -153,44 +152,29 @@ ThreadHist& thread_hist() {
 }
 
 void attach(ThreadHist& h, const BinParams& p, int copies) {
-  const int64_t stride = (p.nbins + 1 + qt::kMaxLanes + 15) / 16 * 16;
-  const size_t size = static_cast<size_t>(stride * copies);
-  if (h.slots.size() < size) h.slots.resize(size);
-  std::fill(h.slots.begin(), h.slots.begin() + size, 0u);
-  h.view = LocalHist{h.slots.data(), stride, copies};
-  h.since_flush = 0;
-  h.flushed = false;
+  const int64_t stride = qt::stage_stride(p.nbins);
+  const size_t stage = static_cast<size_t>(stride * copies);
+  if (h.stage.size() < stage) h.stage.resize(stage, 0);  // old slots are zero already
+  if (h.counts.size() < static_cast<size_t>(p.nbins)) h.counts.resize(p.nbins, 0);
+  const int first = copies < qt::kFirstCopies ? copies : qt::kFirstCopies;
+  h.view = LocalHist{h.stage.data(), stride, copies, first, h.counts.data(), p.nbins, -1};
 }
 
-// Adds the uint32 slots (bins, and the zero slots into the zero's bin) to `out`, then zeroes them.
-void drain(ThreadHist& h, const BinParams& p, int64_t* out) {
-  const LocalHist& v = h.view;
-  for (int c = 0; c < v.copies; ++c) {
-    uint32_t* row = v.slots + c * v.stride;
-    for (int64_t j = 0; j < p.nbins; ++j) out[j] += row[j];
-    for (int l = 0; l < qt::kMaxLanes; ++l) out[p.zero_bin] += row[p.nbins + 1 + l];
-    std::fill(row, row + v.stride, 0u);
+// Adds the thread's counts to `out` (when non-null) and clears them for the next call.
+void drain(ThreadHist& h, int64_t* out) {
+  LocalHist& v = h.view;
+  for (int64_t j = v.lo; j <= v.hi; ++j) {
+    if (out != nullptr) out[j] += v.counts[j];
+    v.counts[j] = 0;
   }
+  v.lo = 0;
+  v.hi = -1;
 }
 
-// Called after each task: keeps every uint32 slot below 2^32.
-void account(ThreadHist& h, const BinParams& p, int64_t elements) {
-  h.since_flush += elements;
-  if (h.since_flush < (int64_t(1) << 31)) return;
-  if (!h.flushed) h.wide.assign(static_cast<size_t>(p.nbins), 0);
-  drain(h, p, h.wide.data());
-  h.flushed = true;
-  h.since_flush = 0;
+// Several copies once a call has enough elements per bin to pay for flushing them (cpu_simd.h).
+int copies_for(int64_t n, int64_t nbins) {
+  return (n >= 16 * nbins && nbins <= 65536) ? qt::kMaxCopies : 1;
 }
-
-void add_into(ThreadHist& h, const BinParams& p, int64_t* counts) {
-  drain(h, p, counts);
-  if (h.flushed) {
-    for (int64_t j = 0; j < p.nbins; ++j) counts[j] += h.wide[j];
-  }
-}
-
-int copies_for(int64_t n, int64_t nbins) { return (n >= 16 * nbins && nbins <= 65536) ? 4 : 1; }
 
 bool in_range(const QtMinMax& m, float half_range) {
   return m.nonfinite == 0 && m.mn > -half_range && m.mx < half_range;
@@ -234,20 +218,16 @@ int run_histogram(const float* x, int64_t n, float half_range, int64_t* counts, 
       if (!exact) m = k.minmax(x + b, len);
       if (!exact || !in_range(m, half_range)) abandoned.store(true, std::memory_order_relaxed);
     }
-    account(*me.hist, p, len);
     qt_minmax_merge(me.mm, m);
   });
-  if (!ok) return QT_ERR_RESOURCE;
   QtMinMax all = qt_minmax_init();
   for (const Worker& w : state) qt_minmax_merge(all, w.mm);
   *total = all;
-  *accepted = !speculative || (!abandoned.load() && in_range(all, half_range));
-  if (*accepted) {
-    for (Worker& w : state) {
-      if (w.hist != nullptr) add_into(*w.hist, p, counts);
-    }
+  *accepted = ok && (!speculative || (!abandoned.load() && in_range(all, half_range)));
+  for (Worker& w : state) {  // always: the thread's counts must be clear for its next call
+    if (w.hist != nullptr) drain(*w.hist, *accepted ? counts : nullptr);
   }
-  return QT_OK;
+  return ok ? QT_OK : QT_ERR_RESOURCE;
 }
 
 QtMinMax parallel_minmax(const float* x, int64_t n, bool* ok) {

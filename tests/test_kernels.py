@@ -619,3 +619,117 @@ def test_a_forked_child_gets_a_working_pool(threads) -> None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung in the kernel thread pool")
+
+
+# ---------------------------------------------------------------------------------------------
+# staged counting: uint16 copies flushed per block, adaptive copies, early stop
+# ---------------------------------------------------------------------------------------------
+# The vector kernels count into uint16 staging slots (2, 4 or 8 copies, chosen per block of
+# 32768 x copies elements from the block before) and flush them into int64 counts; exact zeros
+# count into their own slots. These tests cross those block boundaries on one thread (so one
+# thread sees every block) and on several, with the very bins of the double formula.
+
+BLOCK = 4 * 32768  # the first block of a large call: 4 copies
+
+
+def _observe_exact(x: np.ndarray, r: float, nbins: int = 4096) -> np.ndarray:
+    counts = np.zeros(nbins, np.int64)
+    lo, hi, nf, done = k.observe(x, r, counts)
+    assert done and nf == 0
+    assert (lo, hi, nf) == ref_minmax(x)
+    return counts
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_each_isa_counts_past_uint16_in_one_bin_across_blocks(isa, threads, n_threads) -> None:
+    """A constant tensor puts every value in one bin: each copy's slot reaches 32768 per block
+    and the int64 counts must hold the total (no uint16 wrap at 65536)."""
+    threads(n_threads)
+    n = 5 * BLOCK + 37
+    x = np.full(n, 0.7, np.float32)
+    counts = _observe_exact(x, 1.0)
+    np.testing.assert_array_equal(counts, ref_hist(x, 1.0, 4096))
+    assert counts.max() == n
+    h = np.zeros(3000, np.int64)  # the exact kernel, double path
+    k.histogram_accumulate(x, 1.0, h)
+    np.testing.assert_array_equal(h, ref_hist(x, 1.0, 3000))
+
+
+def test_each_isa_switches_copies_between_blocks_and_stays_exact(isa, threads) -> None:
+    """Spread blocks (2 copies next), peaked ones (4) and a few values (8) alternate; lengths
+    are not multiples of any vector width or block."""
+    threads(1)
+    rng = np.random.default_rng(30)
+    parts = []
+    for i in range(9):
+        size = 2 * BLOCK + 1000 * i + 13
+        if i % 3 == 0:
+            parts.append(rng.uniform(-3.99, 3.99, size=size))  # 4096 bins alike: 2 copies
+        elif i % 3 == 1:
+            parts.append(rng.normal(0.0, 0.05, size=size))  # fullest bin ~1/64: 4 copies
+        else:
+            parts.append(rng.choice([-1.5, 0.25, 3.0], size=size))  # three bins: 8 copies
+    x = np.concatenate(parts).astype(np.float32)
+    np.testing.assert_array_equal(_observe_exact(x, 4.0), ref_hist(x, 4.0, 4096))
+    for nbins, r in ((4096, 4.0), (1000, 4.0)):  # exact float and double paths
+        h = np.zeros(nbins, np.int64)
+        k.histogram_accumulate(x, r, h)
+        np.testing.assert_array_equal(h, ref_hist(x, r, nbins))
+
+
+@pytest.mark.parametrize("n", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 63, 3 * BLOCK + 65])
+def test_each_isa_zeros_and_tails_at_block_boundaries(isa, threads, n) -> None:
+    threads(1)
+    rng = np.random.default_rng(n)
+    x = np.maximum(rng.standard_normal(n), 0).astype(np.float32)  # half exact zeros
+    x[rng.choice(n, size=50, replace=False)] = -0.0
+    x[-1] = 0.0
+    r = 8.0
+    np.testing.assert_array_equal(_observe_exact(x, r), ref_hist(x, r, 4096))
+    h = np.zeros(4096, np.int64)
+    k.histogram_accumulate(x, r, h)
+    np.testing.assert_array_equal(h, ref_hist(x, r, 4096))
+
+
+@pytest.mark.parametrize("where", [BLOCK - 1, BLOCK, 2 * BLOCK + 5, 3 * BLOCK + 60])
+def test_each_isa_nonfinite_values_at_block_boundaries_are_skipped(isa, threads, where) -> None:
+    """The exact kernel bins every finite value and skips NaN/Inf wherever they fall."""
+    threads(1)
+    x = np.random.default_rng(31).standard_normal(3 * BLOCK + 64).astype(np.float32)
+    x[[where, where - 1, 7]] = [np.nan, np.inf, -np.inf]
+    h = np.zeros(4096, np.int64)
+    k.histogram_accumulate(x, 8.0, h)
+    np.testing.assert_array_equal(h, ref_hist(x, 8.0, 4096))
+    assert k.tensor_minmax(x) == ref_minmax(x)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 9.0])
+def test_each_isa_range_growth_mid_tensor_then_exact_again(isa, threads, n_threads, bad) -> None:
+    """A value outside the range several blocks in: the speculative pass stops, leaves the counts
+    untouched and still reports exact min/max; the thread's staging is clean afterwards, so the
+    next call (at the grown range) and a call at another bin count are exact."""
+    threads(n_threads)
+    rng = np.random.default_rng(32)
+    x = rng.uniform(-3.9, 3.9, size=4 * BLOCK + 11).astype(np.float32)
+    x[3 * BLOCK + 100] = bad
+    counts = np.arange(4096, dtype=np.int64)
+    lo, hi, nf, done = k.observe(x, 4.0, counts)
+    assert not done
+    np.testing.assert_array_equal(counts, np.arange(4096))
+    assert (lo, hi, nf) == ref_minmax(x)
+    if np.isfinite(bad):
+        np.testing.assert_array_equal(_observe_exact(x, 16.0), ref_hist(x, 16.0, 4096))
+    y = x[np.isfinite(x)][: 2 * BLOCK]
+    np.testing.assert_array_equal(_observe_exact(y, 16.0, 64), ref_hist(y, 16.0, 64))
+    np.testing.assert_array_equal(_observe_exact(y, 4.0, 4096), ref_hist(y, 4.0, 4096))
+
+
+def test_each_isa_calls_with_other_bin_counts_start_from_clean_counts(isa, threads) -> None:
+    """Per-thread counts are reused across calls and cleared only over the bins a call used."""
+    threads(1)
+    rng = np.random.default_rng(33)
+    high = rng.uniform(3.0, 3.99, size=BLOCK + 5).astype(np.float32)  # the top bins only
+    low = rng.uniform(-3.99, -3.0, size=300).astype(np.float32)
+    for x, nbins in ((high, 4096), (low, 16), (high, 8), (low, 4096), (high[:100], 4096)):
+        np.testing.assert_array_equal(_observe_exact(x, 4.0, nbins), ref_hist(x, 4.0, nbins))
