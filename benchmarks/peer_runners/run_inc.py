@@ -39,14 +39,24 @@ def quantize(fp32: Path, batches: list, out: Path, kind: str) -> dict:
         calibration_sampling_size=samples,
         execution_provider="CPUExecutionProvider",
     )
+    notes = []
     if kind == "transformer":
-        quant_config = config.SmoothQuantConfig(**common)
-        algorithm = "SmoothQuantConfig (alpha 0.5, folding) + static QDQ"
+        # quantize() runs SmoothQuant only when extra_options says so, whatever the config class
+        smooth = {"extra_options": {"SmoothQuant": True}}
+        try:
+            inc_quantize(str(fp32), str(out), config.SmoothQuantConfig(**common, **smooth))
+            algorithm = "SmoothQuantConfig (alpha 0.5, folding) + static QDQ"
+        except ValueError as exc:  # its folding into a scalar Mul constant (GELU's 0.5) fails
+            notes.append(f"folding=True failed: {exc}"[:200])
+            common["calibration_data_reader"].rewind()
+            quant_config = config.SmoothQuantConfig(**common, **smooth, folding=False)
+            inc_quantize(str(fp32), str(out), quant_config)
+            algorithm = "SmoothQuantConfig (alpha 0.5, folding=False) + static QDQ"
     else:
-        quant_config = config.StaticQuantConfig(**common)
+        inc_quantize(str(fp32), str(out), config.StaticQuantConfig(**common))
         algorithm = "StaticQuantConfig"
-    inc_quantize(str(fp32), str(out), quant_config)
     return {
+        "notes": notes,
         "api": "onnx_neural_compressor.quantization.quantize",
         "config": algorithm,
         "quant_format": "QDQ",
