@@ -356,9 +356,33 @@ def _number(value, fmt: str) -> str:
 
 
 def _quantizer(run: dict) -> str:
+    if "label" in run:  # a run that names itself (benchmarks/peers.py)
+        return run["label"]
     if run["quantizer"] == "ort":
         return "ORT quantize_static"
     return f"qtool {algorithm_label(tuple(run['algorithms']))}"
+
+
+def table_columns(fp32: dict | None) -> tuple[tuple[str, str], ...]:
+    """(score key, format) of the score columns: accuracy ones with labels, cosine ones without."""
+    return _LABELLED if fp32 and fp32["labels"] else _UNLABELLED
+
+
+def score_title(key: str) -> str:
+    return f"{_TITLES[key]} fused | unfused"
+
+
+def score_cells(run: dict, columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """`fused | unfused` for each column of a run that has scores."""
+    return [
+        f"{_number(run['scores']['fused'][key], fmt)} | "
+        f"{_number(run['scores']['unfused'][key], fmt)}"
+        for key, fmt in columns
+    ]
+
+
+def timing_cell(run: dict) -> str:
+    return f"{run['quantize_s']:.1f} ({run['quantize_cpu_s']:.1f})"
 
 
 def print_tables(console: Console, report: dict) -> None:
@@ -366,12 +390,12 @@ def print_tables(console: Console, report: dict) -> None:
     for example, info in report["examples"].items():
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = _LABELLED if fp32 and fp32["labels"] else _UNLABELLED
+        columns = table_columns(fp32)
         t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
         t.add_column("method")
         t.add_column("quantizer")
         for key, _ in columns:
-            t.add_column(f"{_TITLES[key]} fused | unfused", justify="right")
+            t.add_column(score_title(key), justify="right")
         for col in ("size kB", "quantize s (CPU s)"):
             t.add_column(col, justify="right")
         if fp32:
@@ -390,13 +414,9 @@ def print_tables(console: Console, report: dict) -> None:
                     text = status if status.startswith("n/a") else "[red]failed[/red]"
                     t.add_row(*head, text, *[""] * (len(columns) + 1), end_section=last)
                     continue
-                cells = [
-                    f"{_number(run['scores']['fused'][key], fmt)} | "
-                    f"{_number(run['scores']['unfused'][key], fmt)}"
-                    for key, fmt in columns
-                ]
-                timing = f"{run['quantize_s']:.1f} ({run['quantize_cpu_s']:.1f})"
-                t.add_row(*head, *cells, f"{run['size_bytes'] / 1e3:.1f}", timing, end_section=last)
+                cells = score_cells(run, columns)
+                size = f"{run['size_bytes'] / 1e3:.1f}"
+                t.add_row(*head, *cells, size, timing_cell(run), end_section=last)
         console.print(t)
         console.print(
             f"  {example}: {info['calibration_samples']} calibration samples in batches of "

@@ -113,6 +113,20 @@ def test_relu_outputs_keep_their_bulk(method):
     assert np.percentile(positive, 99) < high <= values.max()
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_entropy_keeps_a_distribution_that_sits_away_from_zero(sign, symmetric):
+    """Like ocr_cls's squeeze-excitation convolution outputs (all in [-1.5, -0.6]): TensorRT's
+    KL divergence falls towards 0 for thresholds below the bulk, which used to clip 99.98% of
+    the values to one level. The range must keep (nearly) all of them."""
+    rng = np.random.default_rng(8)
+    values = (sign * rng.uniform(0.6, 1.5, 200_000)).astype(np.float32)
+    stats = _stats_of(values)
+    low, high = compute_range(stats, "entropy", symmetric=symmetric)
+    inside = np.mean((values >= low) & (values <= high))
+    assert inside >= 0.99, (low, high, inside)
+
+
 def _fake_quant_mse(values: np.ndarray, threshold: float) -> float:
     step = threshold / 127.0
     quantized = np.clip(np.round(values / step), -127, 127) * step
