@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
+from qtool.algorithms.adaround_apply import apply_adaround
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.gptq import HessianAccumulator
@@ -394,6 +395,22 @@ def _quantize(
     weights = weight_parameters(
         model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
+    rounding = None
+    adaround = recipe.quantization.algorithm("adaround")
+    if adaround is not None:  # before the biases and bias correction: they see its weights
+        weights, rounding = apply_adaround(
+            model,
+            layout,
+            activations,
+            weights,
+            cpu,
+            recipe.quantization.saturation,
+            lambda: _calibration_inputs(recipe, adaround["samples"]),
+            adaround,
+            recipe.seed,
+            progress,
+            f"{recipe.path}: quantization.algorithms.adaround",
+        )
     biases = bias_parameters(model, layout, activations, weights)
     target = recipe.quantization.target
     nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
@@ -417,6 +434,8 @@ def _quantize(
         algorithms["cross_layer_equalization"] = prepared.equalization
     if smoothing is not None:
         algorithms["smoothquant"] = smoothing
+    if rounding is not None:
+        algorithms["adaround"] = rounding
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(

@@ -1,0 +1,363 @@
+"""AdaRound on the prepared ONNX model: which layers it rounds, their inputs from the float model
+on calibration data, and the int8 weights the writer then stores (qtool/algorithms/adaround.py
+holds the backend-free math).
+
+Inputs: every layer reads the float model's own input to it (the paper's simplest variant),
+quantized with the activation range the writer uses, so the rounding of each layer is learned
+independently and the result does not depend on the order layers are processed in. One ONNX
+Runtime pass over the first `samples` calibration samples feeds every layer's running sums.
+
+The learned values stay on the grid the weight format chose for the deployment CPU (same scale,
+same zero point, same range: 7-bit values stay within +-63); where that CPU saturates 16-bit pair
+sums (AVX2 without VNNI) the learned roundings are lowered again, least confident first, until
+every aligned pair fits as `choose_weight` guaranteed, and the report counts how many. A layer
+whose output error on the calibration rows is not lower than with the format's own rounding keeps
+that rounding, and the report says so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from qtool.algorithms.adaround import (
+    Geometry,
+    Grams,
+    Rounding,
+    confidence,
+    fake_quantize,
+    from_groups,
+    input_rows,
+    learn_rounding,
+    output_mse,
+    single_thread,
+    toward_zero,
+    weight_groups,
+)
+from qtool.calibration.collect import save_with_extra_outputs
+from qtool.errors import CalibrationError, DataError, RecipeError
+from qtool.ort_session import create_session, ort_reason
+from qtool.phases import phase
+from qtool.quantize.int4 import BlockwiseWeight
+from qtool.quantize.layout import Layout
+from qtool.quantize.params import ActivationParams, WeightParams
+from qtool.quantize.weight_format import FORMAT_LIMITS, keeps_pair_limit, restore_pair_limit
+from qtool.runtime.cpu import CpuFeatures
+
+INPUT_DESCRIPTION = (
+    "the float model's input to each layer on the calibration samples, quantized with the "
+    "range the writer uses; the objective is the layer's own output (before any activation)"
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A layer AdaRound rounds: its node, the float activation it reads and its weight."""
+
+    node: str
+    op_type: str
+    input: str
+    weight: str
+    geometry: Geometry
+
+
+def _ints(node: onnx.NodeProto, name: str) -> tuple[int, ...] | None:
+    for attr in node.attribute:
+        if attr.name == name:
+            return tuple(attr.ints)
+    return None
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for attr in node.attribute:
+        if attr.name == name:
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def _geometry(node: onnx.NodeProto, dims: list[int]) -> Geometry | str:
+    """The layer as rows x grouped weight, or why AdaRound leaves it alone."""
+    if node.op_type == "MatMul":
+        if len(dims) != 2:
+            return f"MatMul weight of rank {len(dims)} (batched): not supported"
+        return Geometry("kn")
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0):
+            return "Gemm with transA=1: not supported"
+        layout = "nk" if _attr(node, "transB", 0) else "kn"
+        return Geometry(layout, alpha=float(_attr(node, "alpha", 1.0)))
+    if node.op_type != "Conv":
+        return f"{node.op_type}: not supported"
+    spatial = len(dims) - 2
+    if spatial not in (1, 2):
+        return f"Conv with {spatial} spatial dimensions: only 1-D and 2-D"
+    auto_pad = _attr(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    if auto_pad not in ("NOTSET", "VALID"):
+        return f"Conv with auto_pad {auto_pad}: not supported"
+    kernel = tuple(dims[2:])
+    return Geometry(
+        "conv",
+        groups=int(_attr(node, "group", 1)),
+        kernel=kernel,
+        strides=_ints(node, "strides") or (1,) * spatial,
+        pads=(_ints(node, "pads") if auto_pad == "NOTSET" else None) or (0,) * (2 * spatial),
+        dilations=_ints(node, "dilations") or (1,) * spatial,
+    )
+
+
+def adaround_targets(
+    model: onnx.ModelProto,
+    layout: Layout,
+    weights: Mapping[str, WeightParams | BlockwiseWeight],
+    where: str,
+) -> tuple[list[Target], dict[str, str]]:
+    """The layers AdaRound rounds, and those it leaves with the reason (for the report).
+
+    Raises RecipeError for a node whose weights it cannot round at all (4-bit, blocked or
+    weight-only): turning the algorithm on must never silently do nothing to them.
+    """
+    nodes = {node.name: node for node in model.graph.node}
+    dims = {init.name: list(init.dims) for init in model.graph.initializer}
+    planned = [n for n in layout.plan.quantized() if n.weight is not None]
+    readers = Counter(n.weight.tensor for n in planned if n.weight is not None)
+    targets, skipped = [], {}
+    for plan in planned:
+        weight = plan.weight
+        assert weight is not None
+        if plan.op_type == "Gather":
+            skipped[plan.name] = "embedding table: no layer output to reconstruct"
+            continue
+        if weight.bits != 8 or weight.block_size is not None:
+            raise RecipeError(
+                f"{where}: node '{plan.name}' has {weight.bits}-bit {weight.granularity} "
+                "weights; adaround rounds int8 per-channel or per-tensor weights only (give the "
+                "node precision int8 in quantization.overrides, or drop adaround)"
+            )
+        if plan.activations != "int8" or not isinstance(weights.get(weight.tensor), WeightParams):
+            raise RecipeError(
+                f"{where}: node '{plan.name}' is weight-only (activations: float); adaround "
+                "rounds the weights of layers with int8 activations only"
+            )
+        if readers[weight.tensor] > 1:
+            skipped[plan.name] = (
+                f"weight '{weight.tensor}' is read by {readers[weight.tensor]} nodes: one "
+                "rounding cannot fit each layer's inputs"
+            )
+            continue
+        node = nodes[plan.name]
+        geometry = _geometry(node, dims[weight.tensor])
+        if isinstance(geometry, str):
+            skipped[plan.name] = geometry
+            continue
+        targets.append(Target(plan.name, node.op_type, node.input[0], weight.tensor, geometry))
+    return targets, skipped
+
+
+def _rows_key(target: Target) -> tuple:
+    """Layers reading the same tensor the same way share their sums (Q, K and V projections)."""
+    g = target.geometry
+    if g.weight_layout != "conv":
+        return (target.input, "linear", g.alpha)
+    return (target.input, g.groups, g.kernel, g.strides, g.pads, g.dilations)
+
+
+def _quant_bounds(params: ActivationParams) -> tuple[int, int]:
+    return (-128, 127) if params.zero_point.dtype == np.int8 else (0, 255)
+
+
+def collect_grams(
+    model: onnx.ModelProto,
+    targets: list[Target],
+    activations: Mapping[str, ActivationParams],
+    batches: Iterable[Mapping[str, np.ndarray]],
+) -> dict[str, Grams]:
+    """Each target's sums over the float model's inputs to it, in one pass over `batches`."""
+    graph_inputs = {i.name for i in model.graph.input}
+    for target in targets:
+        if target.input not in activations:
+            raise CalibrationError(
+                f"adaround: the input '{target.input}' of node '{target.node}' is not quantized"
+            )
+    outputs = sorted({t.input for t in targets} - graph_inputs)
+    with tempfile.TemporaryDirectory(prefix="qtool-adaround-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        save_with_extra_outputs(model, outputs, path)
+        session = create_session(path, optimize=False)
+    shared: dict[tuple, Grams] = {}
+    by_node = {t.node: shared.setdefault(_rows_key(t), Grams()) for t in targets}
+    first = {}
+    for target in targets:  # one update per shared sum
+        first.setdefault(_rows_key(target), target)
+    for index, feed in enumerate(batches):
+        try:
+            values = dict(zip(outputs, session.run(outputs, dict(feed)), strict=True))
+        except Exception as exc:  # ORT raises private types for bad feeds
+            raise DataError(f"adaround: batch {index} failed: {ort_reason(exc)}") from None
+        values.update({k: v for k, v in feed.items() if k in graph_inputs})
+        for key, target in first.items():
+            x = torch.from_numpy(np.ascontiguousarray(values[target.input], np.float32))
+            params = activations[target.input]
+            low, high = _quant_bounds(params)
+            xq = fake_quantize(x, float(params.scale), int(params.zero_point), low, high)
+            shared[key].update(input_rows(x, target.geometry), input_rows(xq, target.geometry))
+    for target in targets:
+        if by_node[target.node].rows == 0:
+            raise CalibrationError("adaround needs at least one calibration batch")
+    return by_node
+
+
+def _broadcast_scale(params: WeightParams, shape: tuple[int, ...]) -> np.ndarray:
+    scale = np.asarray(params.scale, np.float32)
+    if params.axis is None:
+        return np.full(shape, scale, np.float32)
+    view = [1] * len(shape)
+    view[params.axis] = -1
+    return np.broadcast_to(scale.reshape(view), shape).astype(np.float32)
+
+
+def _zero(params: WeightParams, shape: tuple[int, ...]) -> np.ndarray:
+    zero = params.zero_point_array().astype(np.int32)
+    if params.axis is None or zero.ndim == 0:
+        return zero
+    view = [1] * len(shape)
+    view[params.axis] = -1
+    return zero.reshape(view)
+
+
+@dataclass
+class LayerResult:
+    """What AdaRound did to one layer (a report entry) and the values it keeps."""
+
+    values: np.ndarray  # stored integers, the weight's shape and dtype
+    entry: dict
+
+
+def round_layer(
+    target: Target,
+    weight: np.ndarray,
+    params: WeightParams,
+    fmt: str,
+    grams: Grams,
+    iterations: int,
+    pair_slot,
+    on_step: Callable[[], None] | None = None,
+) -> LayerResult:
+    """Learn the layer's rounding on its format's grid; keep it only if the output error on the
+    calibration rows is lower than with the format's own values. `pair_slot`: the WeightSlot
+    whose aligned pairs must stay within the 16-bit limit, or None."""
+    shape = weight.shape
+    zero = _zero(params, shape)
+    nearest = params.values.astype(np.int32) - zero
+    g = target.geometry
+    problem = Rounding(
+        weight_groups(weight.astype(np.float32), g),
+        weight_groups(_broadcast_scale(params, shape), g),
+        weight_groups(nearest, g),
+        FORMAT_LIMITS[fmt],
+    )
+    learned, soft = learn_rounding(problem, grams, iterations, on_step)
+    values = from_groups(learned, shape, g)
+    moved = None
+    if pair_slot is not None:
+        fallback = from_groups(toward_zero(problem), shape, g)
+        priority = from_groups(confidence(soft), shape, g)
+        values, moved = restore_pair_limit(values, fallback, priority, pair_slot)
+    before = output_mse(grams, problem.weight, problem.nearest * problem.scale.astype(np.float64))
+    learned_groups = weight_groups(values, g)
+    after = output_mse(grams, problem.weight, learned_groups * problem.scale.astype(np.float64))
+    kept = after < before
+    changed = int(np.count_nonzero(values != nearest))
+    entry = {
+        "weight": target.weight,
+        "format": fmt,
+        "rows": grams.rows,
+        "output_mse_nearest": before,
+        "output_mse_adaround": after,
+        "kept": "adaround" if kept else "nearest",
+        "weights_changed": changed if kept else 0,
+        "weights_learned": int(np.count_nonzero(~np.isnan(soft))),
+        "pair_limit_lowered": moved,
+        "reason": None
+        if kept
+        else "AdaRound did not lower the layer's output error on the calibration data: "
+        "the format's rounding is kept",
+    }
+    stored = (values + zero).astype(params.values.dtype) if kept else params.values
+    return LayerResult(stored, entry)
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("AdaRound {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def apply_adaround(
+    model: onnx.ModelProto,
+    layout: Layout,
+    activations: Mapping[str, ActivationParams],
+    weights: dict[str, WeightParams | BlockwiseWeight],
+    cpu: CpuFeatures,
+    saturation: str,
+    batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+    params: Mapping[str, int],
+    seed: int,
+    progress: bool,
+    where: str,
+) -> tuple[dict[str, WeightParams | BlockwiseWeight], dict]:
+    """`weights` with AdaRound's int8 values where they lower each layer's output error, and
+    the report entry (per node: both errors, which rounding was kept, what changed)."""
+    targets, skipped = adaround_targets(model, layout, weights, where)
+    iterations = int(params["iterations"])
+    initializers = {init.name: init for init in model.graph.initializer}
+    plans = layout.plan.weight_plans()
+    with phase("AdaRound: reading each layer's inputs"):
+        grams = collect_grams(model, targets, activations, batches()) if targets else {}
+    out = dict(weights)
+    nodes = {}
+    with single_thread(seed), _progress(progress) as bar:
+        layers = bar.add_task(f"{len(targets)} layers", total=len(targets))
+        for target in targets:
+            task = bar.add_task(target.node, total=iterations)
+            weight_params = weights[target.weight]
+            assert isinstance(weight_params, WeightParams)
+            plan = plans[target.weight]
+            slot = layout.weights[target.weight]
+            pair_slot = slot if keeps_pair_limit(slot, plan, cpu, saturation) else None
+            result = round_layer(
+                target,
+                numpy_helper.to_array(initializers[target.weight]),
+                weight_params,
+                plan.format,
+                grams[target.node],
+                iterations,
+                pair_slot,
+                lambda task=task: bar.advance(task),
+            )
+            out[target.weight] = replace(weight_params, values=result.values)
+            nodes[target.node] = result.entry
+            bar.remove_task(task)
+            bar.advance(layers)
+    entry = {
+        "applied": any(n["kept"] == "adaround" for n in nodes.values()),
+        "parameters": dict(params),
+        "input": INPUT_DESCRIPTION,
+        "nodes": nodes,
+        "skipped": skipped,
+    }
+    return out, entry
