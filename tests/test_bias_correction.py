@@ -27,24 +27,36 @@ def digits(tmp_path_factory):
     return folder
 
 
-def _recipe(folder: Path, base: str, name: str) -> Path:
+def _recipe(folder: Path, base: str, name: str, cpu: str | None = None) -> Path:
     path = folder / name
-    path.write_text(f"base: {base}\nquantization:\n  algorithms: [bias_correction]\n")
+    pinned = f"  cpu: {cpu}\n" if cpu else ""
+    path.write_text(f"base: {base}\nquantization:\n  algorithms: [bias_correction]\n{pinned}")
     return path
 
 
-@pytest.mark.parametrize("base", ["recipe.yaml", "recipe-int4.yaml"])
+# The weights written depend on the deployment CPU (pair-safe int8 without VNNI, full-range with
+# it), and so does the shift bias correction can remove; the error is measured on the unfused QDQ
+# semantics, so pinning `quantization.cpu` makes each case the same on every host. Measured on
+# digits: avx2 0.0057 -> 0.0034 (pair-safe rounding is biased), avx512-vnni 0.0034 -> 0.0029.
+@pytest.mark.parametrize(
+    ("base", "cpu", "ratio"),
+    [
+        ("recipe.yaml", "avx2", 0.7),
+        ("recipe.yaml", "avx512-vnni", 0.9),
+        ("recipe-int4.yaml", None, 0.7),
+    ],
+)
 def test_bias_correction_lowers_the_output_error_and_reports_each_layer(
-    digits, cli, tmp_path, base
+    digits, cli, tmp_path, base, cpu, ratio
 ):
-    recipe = _recipe(digits, base, f"bc-{base}")
+    recipe = _recipe(digits, base, f"bc-{cpu}-{base}", cpu)
     plain, corrected = tmp_path / "plain", tmp_path / "corrected"
     assert cli("quantize", digits / base, "-o", plain, "--no-progress").exit_code == 0
     result = cli("quantize", recipe, "-o", corrected, "--no-progress")
     assert result.exit_code == 0, result.output
     entry = json.loads((corrected / "report.json").read_text())["algorithms"]["bias_correction"]
     assert entry["applied"] is True
-    assert entry["output_mse_after"] < 0.7 * entry["output_mse_before"]
+    assert entry["output_mse_after"] < ratio * entry["output_mse_before"]
     assert sorted(entry["nodes"]) == [
         "/conv1/Conv",
         "/conv2/Conv",

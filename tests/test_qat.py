@@ -25,14 +25,16 @@ from qtool.plan import WeightPlan
 from qtool.qat.command import run_qat
 from qtool.qat.fake_quant import (
     ActivationQuantizer,
+    BlockInt8Input,
     LearnedWeightQuantizer,
     StoredWeightQuantizer,
     dequantized_weight,
 )
 from qtool.qat.fold import fold_batchnorm
-from qtool.quantize.int4 import dequantize
+from qtool.quantize.int4 import BlockwiseWeight, dequantize
 from qtool.quantize.layout import WeightSlot
 from qtool.quantize.low_bit import quantize_low_bit
+from qtool.quantize.matmul_nbits import matmul_nbits_node, nbits_initializers
 from qtool.quantize.params import activation_params
 from qtool.recipe import load_recipe
 from qtool.runtime.fusion import FUSED, fusion_truth
@@ -223,6 +225,48 @@ def test_lsq_scale_gradient_matches_its_closed_form():
             expected += (q - z) - value / s
     expected /= math.sqrt(x.numel() * 255)
     assert quantizer.scale.grad.item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_int8_compute_input_is_what_matmulnbits_level_4_computes():
+    """At accuracy level 4 ORT quantizes MatMulNBits' input per row and block to int8: the fake
+    quantizer in front of the Linear reproduces it (K = 72: a partial last block of 8), while
+    the plain float product is measurably off."""
+    rng = np.random.default_rng(3)
+    k, n, block = 72, 24, 16
+    blocks = -(-k // block)
+    bw = BlockwiseWeight(
+        rng.integers(-8, 8, size=(k, n)).astype(np.int8),
+        rng.uniform(0.01, 0.05, size=(blocks, n)).astype(np.float32),
+        None,
+        4,
+        0,
+        block,
+    )
+    matmul = helper.make_node("MatMul", ["a", "w"], ["y"], name="mm")
+    graph = helper.make_graph(
+        [matmul_nbits_node(matmul, "w", bw, None, 4)],
+        "level4",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+        nbits_initializers("w", bw),
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    a = rng.normal(size=(32, k)).astype(np.float32)
+    a[:, 5] *= 20.0  # an outlier channel: its block's other values get coarse steps
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (ort_level4,) = session.run(None, {"a": a})
+    weight = torch.from_numpy(dequantize(bw))
+    emulated = (BlockInt8Input(block)(torch.from_numpy(a)) @ weight).numpy()
+    plain = (torch.from_numpy(a) @ weight).numpy()
+    error = np.abs(emulated - ort_level4).max()
+    assert error < 1e-4 * np.abs(ort_level4).max()
+    assert np.abs(plain - ort_level4).max() > 20 * error
+    x = torch.from_numpy(a).requires_grad_(True)
+    BlockInt8Input(block)(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # straight through
 
 
 def test_weight_fake_quant_is_the_writers_int4_weight_with_a_straight_through_gradient():

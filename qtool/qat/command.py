@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 
 from qtool import distributed, kernels
 from qtool.data import iter_batches
@@ -50,12 +51,13 @@ from qtool.quantize.assemble import (
     integer_kernel_weights,
     weight_parameters,
 )
+from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import plan_layout
 from qtool.quantize.low_bit import quantize_low_bit
 from qtool.quantize.matmul_nbits import nbits_level
 from qtool.quantize.opset21 import TARGET_OPSET
 from qtool.quantize.prepare import prepare_model, tensor_types
-from qtool.quantize.qdq import write_qdq_model
+from qtool.quantize.qdq import nbits_readers, write_qdq_model
 from qtool.quantize.weight_format import choose_weight
 from qtool.recipe import QatSpec, Recipe
 from qtool.report import build_report, report_bytes
@@ -155,6 +157,48 @@ def _weight_stores(
     return stores
 
 
+# MatMulNBits' accuracy level that quantizes the kernel's float input to int8 (ORT 1.31)
+INT8_COMPUTE_LEVEL = 4
+
+
+def _int8_compute_inputs(
+    model: onnx.ModelProto,
+    layout,
+    stores: dict,
+    ties: dict[str, WeightTie],
+    net: torch.nn.Module,
+    level: int | None,
+) -> dict[str, int]:
+    """Module path -> block size of every 4-bit weight the writer will emit as MatMulNBits with
+    int8 compute: the module's input must be fake-quantized as the kernel quantizes it, or the
+    deployed model is not the one that trained (measured: 1.07 output steps apart, digits-like
+    rows model, AVX-512 VNNI). Level 1 (fp32 compute) and QDQ-format weights need nothing."""
+    if level != INT8_COMPUTE_LEVEL:
+        return {}
+    plans = layout.plan.weight_plans()
+    low_bit = {}
+    for name, tie in ties.items():
+        if plans[name].bits != 4:
+            continue
+        store, _ = stores[tie.parameter]
+        stored = store(net.get_parameter(tie.parameter).detach().cpu().numpy())
+        if isinstance(stored, BlockwiseWeight):
+            low_bit[name] = stored
+    transposed = {name for name, slot in layout.weights.items() if slot.transposed}
+    inputs = {}
+    for name, node in sorted(nbits_readers(model.graph, low_bit, transposed).items()):
+        path = ties[name].parameter.rpartition(".")[0]
+        if not isinstance(net.get_submodule(path), torch.nn.Linear):
+            raise ModelError(
+                f"node '{node}': its 4-bit weight is written as MatMulNBits with int8 compute, "
+                f"which quantizes the node's input; qtool qat emulates that only for nn.Linear, "
+                f"and '{path}' is {type(net.get_submodule(path)).__name__} (set "
+                "quantization.accuracy_level: 1 for fp32 compute)"
+            )
+        inputs[path] = int(low_bit[name].block_size)
+    return inputs
+
+
 def run_qat(
     recipe: Recipe,
     resume: bool = False,
@@ -200,13 +244,17 @@ def run_qat(
     learned = frozenset()
     if qat.learn_scales:
         learned = frozenset(layout.weights) - integer_kernel_weights(layout)
+    stores = _weight_stores(prepared, recipe, cpu, device, ties)
+    nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
+    int8_inputs = _int8_compute_inputs(model, layout, stores, ties, net, nbits)
     fake = FakeQuantModel(
         net,
         sites,
         calibrated,
-        _weight_stores(prepared, recipe, cpu, device, ties),
+        stores,
         qat.learn_scales,
         frozenset(ties[name].parameter for name in learned),
+        int8_inputs,
     )
 
     train_spec = qat.data or recipe.calibration.data
@@ -280,7 +328,6 @@ def run_qat(
         for name in learned:
             plans[name].reason += " (scales learned by QAT, LSQ)"
         biases = bias_parameters(trained_model, layout, activations, weights)
-        nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
         quantized = write_qdq_model(
             trained_model, layout, activations, weights, biases, recipe.quantization.target, nbits
         )
@@ -345,6 +392,8 @@ def run_qat(
         "fake_quant_tensors": len(sites),
         "frozen_unused_parameters": unused,
         "fake_quant_weights": len(layout.weights),
+        # inputs quantized per block as MatMulNBits' int8 compute (accuracy level 4) does
+        "int8_compute_inputs": sorted(int8_inputs),
         "processes": group.world,
         "global_batch_size": qat.batch_size * group.world,
         "train_seconds": round(train_seconds, 3),

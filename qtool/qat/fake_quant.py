@@ -11,6 +11,11 @@ Weights: the dequantized weight comes from the very function the writer stores i
 (choose_weight for int8 kernel weights, so the CPU's pair-safe format is what trains;
 quantize_low_bit for 4-bit and blocked weights), with a straight-through gradient. Training
 therefore sees exactly the weight values ONNX Runtime will multiply with.
+
+MatMulNBits at accuracy level 4 (int8 compute, what qtool writes for CPUs with int8 dot products)
+also quantizes its float input A inside the kernel: per row and per block of K, symmetric int8
+with scale max|a| / 127 (MLAS's QuantizeARow_CompInt8). `BlockInt8Input` computes the same in
+front of the module, so the fused model a VNNI CPU runs is the model that trained.
 """
 
 from __future__ import annotations
@@ -167,3 +172,24 @@ class LearnedWeightQuantizer(nn.Module):
         return BlockwiseWeight(
             codes.astype(dtype), scale, zero, self.bits, self.axis, self.block_size
         )
+
+
+class BlockInt8Input(nn.Module):
+    """MatMulNBits' int8 compute on its input: per row, blocks of `block_size` along the last
+    axis, q = round_half_even(a * (127 / amax)), a' = q * (amax / 127); a partial last block takes
+    its amax over the values it holds (the kernel pads it with zeros). Straight-through gradient:
+    the dynamic scale follows the data and has nothing to learn."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        pad = (-k) % self.block_size
+        blocks = nn.functional.pad(x.detach(), (0, pad)).reshape(*x.shape[:-1], -1, self.block_size)
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        codes = torch.round(blocks * inverse)
+        dequantized = (codes * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
+        return x + (dequantized - x).detach()

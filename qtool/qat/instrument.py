@@ -11,6 +11,7 @@ from torch.nn.utils import parametrize
 
 from qtool.qat.fake_quant import (
     ActivationQuantizer,
+    BlockInt8Input,
     LearnedWeightQuantizer,
     StoredWeightQuantizer,
 )
@@ -39,6 +40,7 @@ class FakeQuantModel(nn.Module):
         weight_stores: dict[str, tuple[Callable, bool]],
         learn_scales: bool,
         learned_weights: frozenset[str] = frozenset(),
+        int8_compute_inputs: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.net = net
@@ -66,6 +68,15 @@ class FakeQuantModel(nn.Module):
                 net.get_submodule(site.module).register_forward_hook(
                     lambda _m, _i, out, q=quantizer: q(out)
                 )
+
+        self.int8_compute: dict[str, BlockInt8Input] = {}
+        # module path -> block size: the input of a MatMulNBits written with int8 compute
+        for path, block_size in sorted((int8_compute_inputs or {}).items()):
+            dynamic = BlockInt8Input(block_size)
+            self.int8_compute[path] = dynamic
+            net.get_submodule(path).register_forward_pre_hook(
+                lambda _m, args, q=dynamic: (q(args[0]), *args[1:])
+            )
 
     def forward(self, *inputs: torch.Tensor):
         inputs = tuple(self._inputs[i](x) if i in self._inputs else x for i, x in enumerate(inputs))

@@ -92,7 +92,7 @@ def write_qdq_model(
         if any(n.op_type != "Gather" and name in n.input for n in graph.node)
     }
     transposed = {name for name, slot in layout.weights.items() if slot.transposed}
-    nbits = {} if nbits_level is None else _nbits_readers(graph, low_bit, transposed)
+    nbits = {} if nbits_level is None else nbits_readers(graph, low_bit, transposed)
     dims = {i.name: list(i.dims) for i in graph.initializer} if nbits else {}  # Gemm biases
     for name, bw in sorted(low_bit.items()):
         if name in nbits:
@@ -205,7 +205,7 @@ def write_qdq_model(
     return quantized_model
 
 
-def _nbits_readers(
+def nbits_readers(
     graph: onnx.GraphProto, low_bit: dict[str, BlockwiseWeight], transposed: set[str]
 ) -> dict[str, str]:
     """4-bit weight -> the one MatMul/Gemm node that reads it as B and can run as MatMulNBits.
