@@ -32,6 +32,7 @@ the format's value.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ BETA_START, BETA_END = 20.0, 2.0  # regulariser annealing
 REG_WEIGHT = 0.01  # lambda
 WARMUP = 0.2  # fraction of iterations before the regulariser starts
 LEARNING_RATE = 1e-2  # Adam; the paper's 1e-3 over 10k steps, scaled to fewer steps
+_PROGRESS_EVERY = 50
 
 
 @dataclass(frozen=True)
@@ -200,10 +202,11 @@ def learn_rounding(
     problem: Rounding,
     grams: Grams,
     iterations: int,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The learned integer values (signed, [G, Mg, Kg]) and h(V) (the soft up-rounding, 0..1;
-    the format's value for weights not learned). Call inside `single_thread`."""
+    the format's value for weights not learned). Call inside `single_thread`; `on_step(n)` is
+told every few steps that n more are done (a progress bar)."""
     floor, rest, free = problem.floor_and_free()
     if grams.rows == 0 or grams.c is None:
         raise ValueError("AdaRound needs at least one calibration row")
@@ -220,25 +223,37 @@ def learn_rounding(
     fixed = s * torch.from_numpy(problem.nearest.astype(np.float32)) - w
     start = np.clip(rest, 1e-4, 1.0 - 1e-4)  # h(V0) = fractional part: nearest rounding
     v = torch.from_numpy(-np.log((ZETA - GAMMA) / (start - GAMMA) - 1.0).astype(np.float32))
-    v.requires_grad_(True)
-    optimizer = torch.optim.Adam([v], lr=LEARNING_RATE)
     warm = int(WARMUP * iterations)
     free_count = int(free.sum())
+    s_free = s * mask  # the gradient reaches learned weights only
+    reg_mask = mask.to(torch.float32) * REG_WEIGHT
+    # Adam (torch.optim.Adam's update, defaults betas (0.9, 0.999), eps 1e-8), with the
+    # gradient written out: autograd's bookkeeping cost more than the maths on small layers.
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    moment = torch.zeros_like(v)
+    second = torch.zeros_like(v)
     for step in range(iterations):
-        h = torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+        sig = torch.sigmoid(v)
+        raw = sig * (ZETA - GAMMA) + GAMMA
+        h = raw.clamp(0.0, 1.0)
         delta = torch.where(mask, s * (base + h) - w, fixed)
-        loss = ((torch.bmm(delta, c) - 2.0 * linear) * delta).sum()
+        # d/d delta of <delta C, delta> - 2 <delta, L> (C symmetric), then through h = s-scaled
+        grad_h = 2.0 * (torch.bmm(delta, c) - linear) * s_free
         if step >= warm and free_count:
             beta = _beta(step, iterations)
-            regulariser = (1.0 - (2.0 * h - 1.0).abs().pow(beta))[mask].sum()
-            loss = loss + REG_WEIGHT * regulariser
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if on_step is not None:
-            on_step()
-    with torch.no_grad():
-        h = torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0).numpy()
+            centred = 2.0 * h - 1.0
+            # d/dh of lambda (1 - |2h - 1|^beta)
+            grad_h -= reg_mask * (2.0 * beta) * centred.abs().pow(beta - 1.0) * centred.sign()
+        inside = ((raw > 0.0) & (raw < 1.0)).to(torch.float32)
+        grad = grad_h * sig * (1.0 - sig) * (ZETA - GAMMA) * inside
+        t = step + 1
+        moment.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        second.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = (second.sqrt() / math.sqrt(1.0 - beta2**t)).add_(eps)
+        v.addcdiv_(moment, denom, value=-LEARNING_RATE / (1.0 - beta1**t))
+        if on_step is not None and (t % _PROGRESS_EVERY == 0 or t == iterations):
+            on_step(t - (t - 1) // _PROGRESS_EVERY * _PROGRESS_EVERY)
+    h = torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0).numpy()
     values = np.where(free, floor + (h >= 0.5), problem.nearest).astype(np.int32)
     soft = np.where(free, h, np.nan).astype(np.float32)
     if not np.all(np.isfinite(h)):

@@ -250,7 +250,7 @@ def round_layer(
     grams: Grams,
     iterations: int,
     pair_slot,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> LayerResult:
     """Learn the layer's rounding on its format's grid; keep it only if the output error on the
     calibration rows is lower than with the format's own values. `pair_slot`: the WeightSlot
@@ -347,7 +347,7 @@ def apply_adaround(
                 grams[target.node],
                 iterations,
                 pair_slot,
-                lambda task=task: bar.advance(task),
+                lambda steps, task=task: bar.advance(task, steps),
             )
             out[target.weight] = replace(weight_params, values=result.values)
             nodes[target.node] = result.entry
