@@ -205,8 +205,8 @@ def learn_rounding(
     on_step: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The learned integer values (signed, [G, Mg, Kg]) and h(V) (the soft up-rounding, 0..1;
-    the format's value for weights not learned). Call inside `single_thread`; `on_step(n)` is
-told every few steps that n more are done (a progress bar)."""
+        the format's value for weights not learned). Call inside `single_thread`; `on_step(n)` is
+    told every few steps that n more are done (a progress bar)."""
     floor, rest, free = problem.floor_and_free()
     if grams.rows == 0 or grams.c is None:
         raise ValueError("AdaRound needs at least one calibration row")
