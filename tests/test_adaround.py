@@ -87,6 +87,13 @@ def test_sums_give_the_output_error_torch_computes(groups, spatial) -> None:
     ours = squared_error(grams, weight_groups(w, geometry), weight_groups(w_hat, geometry))
     assert ours == pytest.approx(direct, rel=1e-5)
     assert np.array_equal(from_groups(weight_groups(w, geometry), w.shape, geometry), w)
+    # Sampled positions: 2 per sample, each row one of the full set's.
+    full = input_rows(x, geometry)
+    some = input_rows(x, geometry, 2, torch.Generator().manual_seed(0))
+    assert some.shape == (groups, 2 * x.shape[0], full.shape[2])
+    for group in range(groups):
+        same = (some[group][:, None, :] == full[group][None, :, :]).all(dim=2)
+        assert bool(same.any(dim=1).all())
 
     gemm = Geometry("nk", alpha=0.5)
     a = torch.from_numpy(rng.normal(size=(5, 8)).astype(np.float32))

@@ -3,7 +3,7 @@ per layer, learn whether each weight rounds up or down so that the layer's outpu
 data changes least, instead of rounding every weight to its nearest grid point.
 
 Backend-free (torch and numpy, no ONNX): a layer is a grouped matrix product. Its input becomes
-rows X [R, G, Kg] (a MatMul/Gemm input's rows; a Conv input's im2col patches, per group) and its
+rows X [G, R, Kg] (a MatMul/Gemm input's rows; a Conv input's im2col patches, per group) and its
 weight W [G, Mg, Kg], so that the output is X Wᵀ per group. The quantized layer reads X̃, the
 input quantized as the writer quantizes it (per-tensor uint8 or int8), and Ŵ = s q on the
 weight format's grid. With D = X - X̃ and Δ = Ŵ - W its output error is
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -85,15 +85,29 @@ def from_groups(groups: np.ndarray, shape: tuple[int, ...], geometry: Geometry) 
     return groups.reshape(shape)
 
 
-def input_rows(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-    """The layer input as rows [R, G, Kg]: every leading index of a MatMul/Gemm input, every
+def input_rows(
+    x: torch.Tensor,
+    geometry: Geometry,
+    per_sample: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The layer input as rows [G, R, Kg]: every leading index of a MatMul/Gemm input, every
     output position of a Conv (its im2col patch, channels outer, kernel offsets inner, which
-    matches the weight's [C/G, *kernel] flattening)."""
+    matches the weight's [C/G, *kernel] flattening).
+
+    `per_sample`: at most this many positions (sequence positions, output pixels) per sample,
+    drawn from `generator`, the same positions for every sample of the batch: the sums need far
+    fewer rows than a feature map has, and extracting every patch dominated the run time.
+    """
     if geometry.weight_layout != "conv":
+        if x.ndim > 2:
+            seq = x.reshape(x.shape[0], -1, x.shape[-1])
+            chosen = _positions(seq.shape[1], per_sample, generator)
+            x = seq if chosen is None else seq[:, chosen]
         rows = x.reshape(-1, x.shape[-1])
         if geometry.alpha != 1.0:
             rows = rows * geometry.alpha
-        return rows.unsqueeze(1)
+        return rows.unsqueeze(0)
     spatial = len(geometry.kernel)
     kernel, strides, dilations = geometry.kernel, geometry.strides, geometry.dilations
     begin, end = geometry.pads[:spatial], geometry.pads[spatial:]
@@ -103,11 +117,47 @@ def input_rows(x: torch.Tensor, geometry: Geometry) -> torch.Tensor:
         begin, end = (0, *begin), (0, *end)
     # F.pad takes the last axis first: (w_begin, w_end, h_begin, h_end); zeros, as ORT pads
     # the quantized input with its zero point, which dequantizes to exactly 0.
-    x = F.pad(x, (begin[1], end[1], begin[0], end[0]))
-    cols = F.unfold(x, kernel, dilation=dilations, stride=strides)  # [N, C * k, L]
-    n, ck, positions = cols.shape
-    g = geometry.groups
-    return cols.reshape(n, g, ck // g, positions).permute(0, 3, 1, 2).reshape(-1, g, ck // g)
+    if any(begin) or any(end):
+        x = F.pad(x, (begin[1], end[1], begin[0], end[0]))
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    chosen = _positions(out_h * out_w, per_sample, generator)
+    if chosen is None:
+        chosen = torch.arange(out_h * out_w)
+    top, left = (chosen // out_w) * sh, (chosen % out_w) * sw
+    # im2col at the chosen positions only: one gather per kernel offset -> [N, C, k, P]
+    patches = torch.stack(
+        [x[:, :, top + i * dh, left + j * dw] for i in range(kh) for j in range(kw)], dim=2
+    )
+    n, g = patches.shape[0], geometry.groups
+    cols = patches.reshape(n, g, -1, patches.shape[3])  # [N, G, Kg, P]
+    return cols.permute(1, 0, 3, 2).reshape(g, -1, cols.shape[2])
+
+
+def _positions(
+    count: int, per_sample: int | None, generator: torch.Generator | None
+) -> torch.Tensor | None:
+    """Sorted random positions (at most `per_sample` of `count`), or None for all of them."""
+    if per_sample is None or count <= per_sample:
+        return None
+    return torch.sort(torch.randperm(count, generator=generator)[:per_sample]).values
+
+
+def layer_rows(
+    x: torch.Tensor,
+    geometry: Geometry,
+    quantize: Callable[[torch.Tensor], torch.Tensor],
+    per_sample: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of x, the same rows of quantize(x)) [G, R, Kg]. Quantizing the rows instead of x
+    is the same (element-wise, and padding zeros quantize to exactly 0) and extracts once."""
+    rows = input_rows(x, replace(geometry, alpha=1.0), per_sample, generator)
+    quantized = quantize(rows)
+    if geometry.alpha != 1.0:
+        rows, quantized = rows * geometry.alpha, quantized * geometry.alpha
+    return rows, quantized
 
 
 def fake_quantize(x: torch.Tensor, scale: float, zero_point: int, low: int, high: int):
@@ -128,8 +178,8 @@ class Grams:
         self.rows = 0
 
     def update(self, rows: torch.Tensor, quantized_rows: torch.Tensor) -> None:
-        xq = quantized_rows.transpose(0, 1)  # [G, R, Kg]
-        d = (rows - quantized_rows).transpose(0, 1)
+        xq = quantized_rows  # [G, R, Kg]
+        d = rows - quantized_rows
         xq_t = xq.transpose(1, 2)
         sums = [torch.bmm(xq_t, xq), torch.bmm(xq_t, d), torch.bmm(d.transpose(1, 2), d)]
         arrays = [s.numpy().astype(np.float64) for s in sums]
@@ -139,7 +189,7 @@ class Grams:
             self.c += arrays[0]
             self.p += arrays[1]
             self.q += arrays[2]
-        self.rows += rows.shape[0]
+        self.rows += rows.shape[1]
 
 
 def squared_error(grams: Grams, weight: np.ndarray, quantized: np.ndarray) -> float:
@@ -288,6 +338,7 @@ __all__ = [
     "fake_quantize",
     "from_groups",
     "input_rows",
+    "layer_rows",
     "learn_rounding",
     "output_mse",
     "single_thread",

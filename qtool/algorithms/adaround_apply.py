@@ -17,6 +17,7 @@ that rounding, and the report says so.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,7 @@ from qtool.algorithms.adaround import (
     confidence,
     fake_quantize,
     from_groups,
-    input_rows,
+    layer_rows,
     learn_rounding,
     output_mse,
     single_thread,
@@ -57,6 +58,12 @@ INPUT_DESCRIPTION = (
     "the float model's input to each layer on the calibration samples, quantized with the "
     "range the writer uses; the objective is the layer's own output (before any activation)"
 )
+
+
+# Output positions (pixels, sequence positions) per calibration sample whose rows enter a layer's
+# sums: 256 samples x 64 = 16k rows per layer, many times the K of the layers we round, and
+# every position of digits' 8 x 8 maps; a MobileNet's 24 x 96 first map is sampled.
+POSITIONS_PER_SAMPLE = 64
 
 
 @dataclass(frozen=True)
@@ -180,8 +187,10 @@ def collect_grams(
     targets: list[Target],
     activations: Mapping[str, ActivationParams],
     batches: Iterable[Mapping[str, np.ndarray]],
+    seed: int = 0,
 ) -> dict[str, Grams]:
-    """Each target's sums over the float model's inputs to it, in one pass over `batches`."""
+    """Each target's sums over the float model's inputs to it, in one pass over `batches`
+    (at most POSITIONS_PER_SAMPLE positions per sample, drawn with `seed`)."""
     graph_inputs = {i.name for i in model.graph.input}
     for target in targets:
         if target.input not in activations:
@@ -198,6 +207,7 @@ def collect_grams(
     first = {}
     for target in targets:  # one update per shared sum
         first.setdefault(_rows_key(target), target)
+    generator = torch.Generator().manual_seed(seed)
     for index, feed in enumerate(batches):
         try:
             values = dict(zip(outputs, session.run(outputs, dict(feed)), strict=True))
@@ -208,8 +218,15 @@ def collect_grams(
             x = torch.from_numpy(np.ascontiguousarray(values[target.input], np.float32))
             params = activations[target.input]
             low, high = _quant_bounds(params)
-            xq = fake_quantize(x, float(params.scale), int(params.zero_point), low, high)
-            shared[key].update(input_rows(x, target.geometry), input_rows(xq, target.geometry))
+            quantize = functools.partial(
+                fake_quantize,
+                scale=float(params.scale),
+                zero_point=int(params.zero_point),
+                low=low,
+                high=high,
+            )
+            rows = layer_rows(x, target.geometry, quantize, POSITIONS_PER_SAMPLE, generator)
+            shared[key].update(*rows)
     for target in targets:
         if by_node[target.node].rows == 0:
             raise CalibrationError("adaround needs at least one calibration batch")
@@ -326,8 +343,8 @@ def apply_adaround(
     iterations = int(params["iterations"])
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
-    with phase("AdaRound: reading each layer's inputs"):
-        grams = collect_grams(model, targets, activations, batches()) if targets else {}
+    with single_thread(seed), phase("AdaRound: reading each layer's inputs"):
+        grams = collect_grams(model, targets, activations, batches(), seed) if targets else {}
     out = dict(weights)
     nodes = {}
     with single_thread(seed), _progress(progress) as bar:
