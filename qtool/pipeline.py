@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
+from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
 from qtool.algorithms.adaround_apply import apply_adaround
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.cle import equalize
@@ -405,7 +406,7 @@ def _quantize(
             weights,
             cpu,
             recipe.quantization.saturation,
-            lambda: _calibration_inputs(recipe, adaround["samples"]),
+            lambda: _calibration_inputs(recipe, adaround["samples"], ADAROUND_BATCH),
             adaround,
             recipe.seed,
             progress,
@@ -534,11 +535,15 @@ def stamp_provenance(
     )
 
 
-def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
-    """The first `samples` calibration inputs, read afresh (for a pass after calibration)."""
+def _calibration_inputs(
+    recipe: Recipe, samples: int, batch_size: int | None = None
+) -> Iterator[dict]:
+    """The first `samples` calibration inputs, read afresh (for a pass after calibration), in
+    the recipe's batch size or `batch_size`."""
     spec = recipe.calibration
     limit = min(samples, spec.max_samples or samples)
-    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, limit, recipe.seed)
+    size = batch_size or spec.batch_size
+    batches = iter_batches(spec.data, recipe.inputs, size, limit, recipe.seed)
     return (batch.inputs for batch in batches)
 
 

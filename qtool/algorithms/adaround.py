@@ -192,6 +192,18 @@ class Grams:
         self.rows += rows.shape[1]
 
 
+def merged(first: Grams, second: Grams) -> Grams:
+    """Sums over both sets of rows (either may be empty)."""
+    if first.c is None:
+        return second
+    if second.c is None:
+        return first
+    out = Grams()
+    out.c, out.p, out.q = first.c + second.c, first.p + second.p, first.q + second.q
+    out.rows = first.rows + second.rows
+    return out
+
+
 def squared_error(grams: Grams, weight: np.ndarray, quantized: np.ndarray) -> float:
     """Sum over calibration rows and output channels of the squared output error of the layer
     with weight `quantized` reading X̃, against `weight` reading X (both [G, Mg, Kg])."""
@@ -340,6 +352,7 @@ __all__ = [
     "input_rows",
     "layer_rows",
     "learn_rounding",
+    "merged",
     "output_mse",
     "single_thread",
     "squared_error",

@@ -39,6 +39,7 @@ from qtool.algorithms.adaround import (
     from_groups,
     layer_rows,
     learn_rounding,
+    merged,
     output_mse,
     single_thread,
     toward_zero,
@@ -64,6 +65,24 @@ INPUT_DESCRIPTION = (
 # sums: 256 samples x 64 = 16k rows per layer, many times the K of the layers we round, and
 # every position of digits' 8 x 8 maps; a MobileNet's 24 x 96 first map is sampled.
 POSITIONS_PER_SAMPLE = 64
+# Calibration batches of BATCH samples; every HOLD_OUT-th batch is held out: the rounding is
+# learned on the others and kept only if it also lowers the error on these. A layer with fewer
+# rows than weights per output (squeeze-excite convs: one row per sample) can fit its training
+# rows almost exactly and still do worse on new inputs.
+BATCH = 8
+HOLD_OUT = 4
+
+
+@dataclass
+class LayerSums:
+    """A layer's sums over the rows it learns on (`fit`) and over the held-out rows."""
+
+    fit: Grams
+    held_out: Grams
+
+    @property
+    def everything(self) -> Grams:
+        return merged(self.fit, self.held_out)
 
 
 @dataclass(frozen=True)
@@ -188,9 +207,10 @@ def collect_grams(
     activations: Mapping[str, ActivationParams],
     batches: Iterable[Mapping[str, np.ndarray]],
     seed: int = 0,
-) -> dict[str, Grams]:
+) -> dict[str, LayerSums]:
     """Each target's sums over the float model's inputs to it, in one pass over `batches`
-    (at most POSITIONS_PER_SAMPLE positions per sample, drawn with `seed`)."""
+    (at most POSITIONS_PER_SAMPLE positions per sample, drawn with `seed`; every HOLD_OUT-th
+    batch into the held-out sums)."""
     graph_inputs = {i.name for i in model.graph.input}
     for target in targets:
         if target.input not in activations:
@@ -202,8 +222,10 @@ def collect_grams(
         path = Path(tmp) / "model.onnx"
         save_with_extra_outputs(model, outputs, path)
         session = create_session(path, optimize=False)
-    shared: dict[tuple, Grams] = {}
-    by_node = {t.node: shared.setdefault(_rows_key(t), Grams()) for t in targets}
+    shared: dict[tuple, LayerSums] = {}
+    by_node = {
+        t.node: shared.setdefault(_rows_key(t), LayerSums(Grams(), Grams())) for t in targets
+    }
     first = {}
     for target in targets:  # one update per shared sum
         first.setdefault(_rows_key(target), target)
@@ -226,9 +248,10 @@ def collect_grams(
                 high=high,
             )
             rows = layer_rows(x, target.geometry, quantize, POSITIONS_PER_SAMPLE, generator)
-            shared[key].update(*rows)
+            sums = shared[key]
+            (sums.held_out if index % HOLD_OUT == HOLD_OUT - 1 else sums.fit).update(*rows)
     for target in targets:
-        if by_node[target.node].rows == 0:
+        if by_node[target.node].fit.rows == 0:
             raise CalibrationError("adaround needs at least one calibration batch")
     return by_node
 
@@ -264,14 +287,15 @@ def round_layer(
     weight: np.ndarray,
     params: WeightParams,
     fmt: str,
-    grams: Grams,
+    sums: LayerSums,
     iterations: int,
     pair_slot,
     on_step: Callable[[int], None] | None = None,
 ) -> LayerResult:
-    """Learn the layer's rounding on its format's grid; keep it only if the output error on the
-    calibration rows is lower than with the format's own values. `pair_slot`: the WeightSlot
-    whose aligned pairs must stay within the 16-bit limit, or None."""
+    """Learn the layer's rounding on its format's grid from the fit rows; keep it only if the
+    output error is lower than with the format's own values both on the held-out rows and on
+    all calibration rows. `pair_slot`: the WeightSlot whose aligned pairs must stay within the
+    16-bit limit, or None."""
     shape = weight.shape
     zero = _zero(params, shape)
     nearest = params.values.astype(np.int32) - zero
@@ -282,32 +306,44 @@ def round_layer(
         weight_groups(nearest, g),
         FORMAT_LIMITS[fmt],
     )
-    learned, soft = learn_rounding(problem, grams, iterations, on_step)
+    learned, soft = learn_rounding(problem, sums.fit, iterations, on_step)
     values = from_groups(learned, shape, g)
     moved = None
     if pair_slot is not None:
         fallback = from_groups(toward_zero(problem), shape, g)
         priority = from_groups(confidence(soft), shape, g)
         values, moved = restore_pair_limit(values, fallback, priority, pair_slot)
-    before = output_mse(grams, problem.weight, problem.nearest * problem.scale.astype(np.float64))
-    learned_groups = weight_groups(values, g)
-    after = output_mse(grams, problem.weight, learned_groups * problem.scale.astype(np.float64))
-    kept = after < before
+    scale = problem.scale.astype(np.float64)
+    candidates = {"nearest": problem.nearest * scale, "adaround": weight_groups(values, g) * scale}
+    everything = sums.everything
+    errors = {k: output_mse(everything, problem.weight, v) for k, v in candidates.items()}
+    held = sums.held_out
+    held_errors = (
+        {k: output_mse(held, problem.weight, v) for k, v in candidates.items()}
+        if held.rows
+        else {"nearest": None, "adaround": None}
+    )
+    better_held = held.rows == 0 or held_errors["adaround"] < held_errors["nearest"]
+    kept = better_held and errors["adaround"] < errors["nearest"]
     changed = int(np.count_nonzero(values != nearest))
+    reason = None
+    if not kept:
+        where = "the held-out calibration rows" if not better_held else "the calibration data"
+        reason = f"AdaRound did not lower the layer's output error on {where}: nearest kept"
     entry = {
         "weight": target.weight,
         "format": fmt,
-        "rows": grams.rows,
-        "output_mse_nearest": before,
-        "output_mse_adaround": after,
+        "rows": everything.rows,
+        "held_out_rows": held.rows,
+        "output_mse_nearest": errors["nearest"],
+        "output_mse_adaround": errors["adaround"],
+        "held_out_mse_nearest": held_errors["nearest"],
+        "held_out_mse_adaround": held_errors["adaround"],
         "kept": "adaround" if kept else "nearest",
         "weights_changed": changed if kept else 0,
         "weights_learned": int(np.count_nonzero(~np.isnan(soft))),
         "pair_limit_lowered": moved,
-        "reason": None
-        if kept
-        else "AdaRound did not lower the layer's output error on the calibration data: "
-        "the format's rounding is kept",
+        "reason": reason,
     }
     stored = (values + zero).astype(params.values.dtype) if kept else params.values
     return LayerResult(stored, entry)
