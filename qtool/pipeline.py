@@ -396,6 +396,13 @@ def _quantize(
     weights = weight_parameters(
         model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
+    target = recipe.quantization.target
+    nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
+
+    def write_weights(chosen: dict) -> onnx.ModelProto:
+        chosen_biases = bias_parameters(model, layout, activations, chosen)
+        return write_qdq_model(model, layout, activations, chosen, chosen_biases, target, nbits)
+
     rounding = None
     adaround = recipe.quantization.algorithm("adaround")
     if adaround is not None:  # before the biases and bias correction: they see its weights
@@ -411,10 +418,9 @@ def _quantize(
             recipe.seed,
             progress,
             f"{recipe.path}: quantization.algorithms.adaround",
+            write_weights,
         )
     biases = bias_parameters(model, layout, activations, weights)
-    target = recipe.quantization.target
-    nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
     correction = recipe.quantization.algorithm("bias_correction")
     if prepared.staged is not None and correction is None and smoothing is None:
         # The float weights being replaced are read no more (the writer drops them): read back

@@ -287,7 +287,31 @@ def test_report_block_lists_every_layer_with_both_errors(runs) -> None:
         else:
             assert layer["weights_changed"] == 0 and "kept" in layer["reason"]
     kept = [n for n in entry["nodes"].values() if n["kept"] == "adaround"]
-    assert len(kept) >= 4 and entry["applied"] is True
+    assert len(kept) >= 4 and entry["applied"] is True and entry["reason"] is None
+    assert 0 < entry["output_mse_after"] < entry["output_mse_before"]
+
+
+def test_a_model_made_worse_as_a_whole_keeps_the_nearest_rounding(
+    digits, tmp_path, runs, monkeypatch
+) -> None:
+    """Each layer improves, but if the model's outputs on the held-out calibration batches got
+    worse, no weight changes and the report says why."""
+    from qtool.algorithms import adaround_apply
+
+    errors = iter([1.0, 2.0])  # before, after
+    monkeypatch.setattr(adaround_apply, "output_error", lambda *args: next(errors))
+    result = quantize(load_recipe(digits / "ada.yaml", output_dir=tmp_path), progress=False)
+    entry = result.report["algorithms"]["adaround"]
+    assert entry["applied"] is False and "raised the model's output error" in entry["reason"]
+    assert (entry["output_mse_before"], entry["output_mse_after"]) == (1.0, 2.0)
+    assert all(
+        n["kept"] == "nearest" and n["weights_changed"] == 0 for n in entry["nodes"].values()
+    )
+    reference = _stored_weights(runs["nearest"] / "model.int8.onnx")
+    written = _stored_weights(tmp_path / "model.int8.onnx")
+    assert written and all(
+        np.array_equal(p.values, reference[n].values) for n, p in written.items()
+    )
 
 
 def test_every_weight_is_within_one_step_of_its_float_value(runs) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from qtool.algorithms.adaround import (
     toward_zero,
     weight_groups,
 )
+from qtool.algorithms.bias_correction import output_error
 from qtool.calibration.collect import save_with_extra_outputs
 from qtool.errors import CalibrationError, DataError, RecipeError
 from qtool.ort_session import create_session, ort_reason
@@ -261,6 +262,11 @@ def collect_grams(
     return by_node
 
 
+def held_out(batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
+    """The batches the rounding was not learned on (every HOLD_OUT-th)."""
+    return (b for index, b in enumerate(batches) if index % HOLD_OUT == HOLD_OUT - 1)
+
+
 def _broadcast_scale(params: WeightParams, shape: tuple[int, ...]) -> np.ndarray:
     scale = np.asarray(params.scale, np.float32)
     if params.axis is None:
@@ -377,9 +383,15 @@ def apply_adaround(
     seed: int,
     progress: bool,
     where: str,
+    write: Callable[[Mapping[str, WeightParams | BlockwiseWeight]], onnx.ModelProto],
 ) -> tuple[dict[str, WeightParams | BlockwiseWeight], dict]:
     """`weights` with AdaRound's int8 values where they lower each layer's output error, and
-    the report entry (per node: both errors, which rounding was kept, what changed)."""
+    the report entry (per node: both errors, which rounding was kept, what changed).
+
+    `write` turns weights into the QDQ model as the pipeline does: the rounded model is kept only
+    if its outputs are closer to the float model's on the held-out calibration batches than the
+    model with the format's rounding (QDQ semantics); layer errors that each fall can still add
+    up to a worse model, and then nothing is changed and the report says so."""
     targets, skipped = adaround_targets(model, layout, weights, where)
     iterations = int(params["iterations"])
     initializers = {init.name: init for init in model.graph.initializer}
@@ -415,7 +427,28 @@ def apply_adaround(
         "applied": any(n["kept"] == "adaround" for n in nodes.values()),
         "parameters": dict(params),
         "input": INPUT_DESCRIPTION,
+        "output_mse_before": None,
+        "output_mse_after": None,
+        "reason": None,
         "nodes": nodes,
         "skipped": skipped,
     }
-    return out, entry
+    if not entry["applied"]:
+        entry["reason"] = "no layer's output error fell: nothing changed"
+        return out, entry
+    with phase("AdaRound: comparing the model's outputs"):
+        before = output_error(model, write(weights), held_out(batches()))
+        after = output_error(model, write(out), held_out(batches()))
+    entry["output_mse_before"], entry["output_mse_after"] = before, after
+    if after < before:
+        return out, entry
+    entry["applied"] = False
+    entry["reason"] = (
+        "the rounded layers together raised the model's output error on the held-out "
+        "calibration batches: not applied"
+    )
+    for node in nodes.values():
+        if node["kept"] == "adaround":
+            node["kept"], node["weights_changed"] = "nearest", 0
+            node["reason"] = "AdaRound not applied to the model (see the reason above)"
+    return dict(weights), entry
