@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING
 import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
-from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
-from qtool.algorithms.adaround_apply import apply_adaround
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.gptq import HessianAccumulator
@@ -406,6 +404,10 @@ def _quantize(
     rounding = None
     adaround = recipe.quantization.algorithm("adaround")
     if adaround is not None:  # before the biases and bias correction: they see its weights
+        # imported here: it needs torch, which ONNX-only runs never load
+        from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
+        from qtool.algorithms.adaround_apply import apply_adaround
+
         weights, rounding = apply_adaround(
             model,
             layout,
