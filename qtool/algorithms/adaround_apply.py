@@ -56,7 +56,7 @@ from qtool.errors import CalibrationError, DataError, RecipeError
 from qtool.ort_session import create_session, ort_reason
 from qtool.phases import phase
 from qtool.quantize.int4 import BlockwiseWeight
-from qtool.quantize.layout import Layout
+from qtool.quantize.layout import Layout, WeightSlot
 from qtool.quantize.params import ActivationParams, WeightParams
 from qtool.quantize.weight_format import FORMAT_LIMITS, keeps_pair_limit, restore_pair_limit
 from qtool.runtime.cpu import CpuFeatures
@@ -300,7 +300,7 @@ def round_layer(
     fmt: str,
     sums: LayerSums,
     iterations: int,
-    pair_slot,
+    pair_slot: WeightSlot | None,
     on_step: Callable[[int], None] | None = None,
 ) -> LayerResult:
     """Learn the layer's rounding on its format's grid from the fit rows; keep it only if the
