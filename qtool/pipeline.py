@@ -394,9 +394,35 @@ def _quantize(
     weights = weight_parameters(
         model, layout, recipe.quantization, cpu, device, calibration.hessians
     )
-    biases = bias_parameters(model, layout, activations, weights)
     target = recipe.quantization.target
     nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
+
+    def write_weights(chosen: dict) -> onnx.ModelProto:
+        chosen_biases = bias_parameters(model, layout, activations, chosen)
+        return write_qdq_model(model, layout, activations, chosen, chosen_biases, target, nbits)
+
+    rounding = None
+    adaround = recipe.quantization.algorithm("adaround")
+    if adaround is not None:  # before the biases and bias correction: they see its weights
+        # imported here: it needs torch, which ONNX-only runs never load
+        from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
+        from qtool.algorithms.adaround_apply import apply_adaround
+
+        weights, rounding = apply_adaround(
+            model,
+            layout,
+            activations,
+            weights,
+            cpu,
+            recipe.quantization.saturation,
+            lambda: _calibration_inputs(recipe, adaround["samples"], ADAROUND_BATCH),
+            adaround,
+            recipe.seed,
+            progress,
+            f"{recipe.path}: quantization.algorithms.adaround",
+            write_weights,
+        )
+    biases = bias_parameters(model, layout, activations, weights)
     correction = recipe.quantization.algorithm("bias_correction")
     if prepared.staged is not None and correction is None and smoothing is None:
         # The float weights being replaced are read no more (the writer drops them): read back
@@ -417,6 +443,8 @@ def _quantize(
         algorithms["cross_layer_equalization"] = prepared.equalization
     if smoothing is not None:
         algorithms["smoothquant"] = smoothing
+    if rounding is not None:
+        algorithms["adaround"] = rounding
     if correction is not None:
         with phase("bias correction"):
             quantized, algorithms["bias_correction"] = apply_bias_correction(
@@ -515,11 +543,15 @@ def stamp_provenance(
     )
 
 
-def _calibration_inputs(recipe: Recipe, samples: int) -> Iterator[dict]:
-    """The first `samples` calibration inputs, read afresh (for a pass after calibration)."""
+def _calibration_inputs(
+    recipe: Recipe, samples: int, batch_size: int | None = None
+) -> Iterator[dict]:
+    """The first `samples` calibration inputs, read afresh (for a pass after calibration), in
+    the recipe's batch size or `batch_size`."""
     spec = recipe.calibration
     limit = min(samples, spec.max_samples or samples)
-    batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, limit, recipe.seed)
+    size = batch_size or spec.batch_size
+    batches = iter_batches(spec.data, recipe.inputs, size, limit, recipe.seed)
     return (batch.inputs for batch in batches)
 
 

@@ -37,8 +37,14 @@ SUPPORTED_OP_TYPES = (
     "Gather",
 )
 # quantization.algorithms, in the fixed order they run; the parameters each takes, with defaults.
-ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "bias_correction", "adaround")
+# adaround before bias_correction: bias correction measures the mean output shift of the layer
+# as it will be stored, so it must see the final rounded weights (rounding after it would leave
+# a correction for weights that no longer exist).
+ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "adaround", "bias_correction")
 ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
+    # samples: calibration samples whose layer inputs the rounding is learned on (the first N);
+    # iterations: Adam steps per layer (qtool/algorithms/adaround.py)
+    "adaround": {"samples": 256, "iterations": 1000},
     # samples: calibration samples the shift is measured on (the first N of the calibration set)
     "bias_correction": {"samples": 256},
     # no parameters: exact rescaling of Conv -> (Relu) -> Conv pairs (qtool/algorithms/cle.py)
@@ -50,6 +56,7 @@ ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
 }
 SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
 MAX_SMOOTHQUANT_ROWS = 16384
+MAX_ADAROUND_ITERATIONS = 100000
 # Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
 PRECISIONS = ("int4", "int8", "float")
 ACTIVATION_PRECISIONS = ("int8", "float")
@@ -850,6 +857,10 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
             elif (name, key) == ("smoothquant", "rows"):  # rows x K floats kept per layer input
                 params[key] = reader.integer(
                     value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SMOOTHQUANT_ROWS
+                )
+            elif (name, key) == ("adaround", "iterations"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_ADAROUND_ITERATIONS
                 )
             else:
                 params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)

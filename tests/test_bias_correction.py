@@ -88,14 +88,16 @@ def test_bias_correction_lowers_the_output_error_and_reports_each_layer(
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
-def test_unknown_and_unimplemented_algorithms_are_recipe_errors(digits):
+def test_unknown_algorithms_and_bad_values_are_recipe_errors(digits):
     bad = digits / "bad-algo.yaml"
     bad.write_text("base: recipe.yaml\nquantization:\n  algorithms: [bias_corection]\n")
     with pytest.raises(RecipeError, match=r"quantization.algorithms.bias_corection: unknown"):
         load_recipe(bad)
     bad.write_text("base: recipe.yaml\nquantization:\n  algorithms: [adaround]\n")
-    with pytest.raises(RecipeError, match="not implemented in this version of qtool yet"):
-        load_recipe(bad)
+    assert load_recipe(bad).quantization.algorithm("adaround") == {
+        "samples": 256,
+        "iterations": 1000,
+    }
     bad.write_text(
         "base: recipe.yaml\nquantization:\n  algorithms: {bias_correction: {samples: 0}}\n"
     )

@@ -253,7 +253,7 @@ def corrected_model(model: onnx.ModelProto, corrections: list[Correction]) -> on
     return out
 
 
-def _output_error(
+def output_error(
     float_model: onnx.ModelProto,
     quantized: onnx.ModelProto,
     batches: Iterable[Mapping[str, np.ndarray]],
@@ -295,8 +295,8 @@ def apply_bias_correction(
     targets = bias_targets(float_model, nodes)
     corrections = measure_shifts(float_model, quantized, targets, batches())
     corrected = write(corrected_model(float_model, corrections))
-    before = _output_error(float_model, quantized, batches())
-    after = _output_error(float_model, corrected, batches())
+    before = output_error(float_model, quantized, batches())
+    after = output_error(float_model, corrected, batches())
     kept = after <= before
     entry = {
         "applied": kept,

@@ -267,3 +267,60 @@ def choose_weight(
 
 def _cpu_name(cpu: CpuFeatures) -> str:
     return "this CPU" if cpu.source.startswith("this machine") else "the recipe's CPU"
+
+
+# Largest magnitude of the signed values each int8 format stores (u8: the s8 values + 128).
+FORMAT_LIMITS = {"s8": 127, "s8-pairsafe": 127, "s7": 63, "u8": 127}
+
+
+def keeps_pair_limit(slot: WeightSlot, plan: WeightPlan, cpu: CpuFeatures, policy: str) -> bool:
+    """Must values chosen for this weight after `choose_weight` (AdaRound's roundings) keep every
+    aligned one-sign pair sum within PAIR_LIMIT? Yes wherever the CPU saturates and the format
+    is int8 run by the U8S8 kernels (full range included: it was kept because no pair could
+    overflow, and moving a value by one step could change that), unless the recipe says ignore."""
+    return (
+        cpu.u8s8_saturates
+        and slot.reduction not in ("depthwise", "gather")
+        and policy != "ignore"
+        and plan.format in ("s8", "s8-pairsafe")
+    )
+
+
+def restore_pair_limit(
+    values: np.ndarray, fallback: np.ndarray, priority: np.ndarray, slot: WeightSlot
+) -> tuple[np.ndarray, int]:
+    """Signed int values (the weight's shape) with every aligned one-sign pair sum lowered to at
+    most PAIR_LIMIT by moving values to `fallback`, lowest `priority` first; and how many moved.
+
+    `fallback` must itself satisfy the limit and lie within one step of `values`, closer to zero
+    (AdaRound: the choice of smaller magnitude), so each offending pair is over by at most 2 and
+    two rounds always suffice.
+    """
+    shape = values.shape
+    matrices = [reduction_matrix(np.asarray(a), slot) for a in (values, fallback, priority)]
+    channels, k = matrices[0].shape
+    padded = []
+    for matrix, fill in zip(matrices, (0, 0, np.inf), strict=True):
+        out = np.full((channels, k + k % 2), fill, dtype=np.float64)
+        out[:, :k] = matrix
+        padded.append(out.reshape(channels, -1, 2))
+    pairs, safe, order = padded
+    moved = 0
+    for sign in (1, -1):
+        for _ in range(2):
+            a, b = pairs[..., 0], pairs[..., 1]
+            over = np.maximum(a * sign, 0) + np.maximum(b * sign, 0) > PAIR_LIMIT
+            if not over.any():
+                break
+            movable_a = over & (a != safe[..., 0]) & (a * sign > 0)
+            movable_b = over & (b != safe[..., 1]) & (b * sign > 0)
+            take_a = movable_a & (~movable_b | (order[..., 0] <= order[..., 1]))
+            take_b = movable_b & ~take_a
+            pairs[..., 0] = np.where(take_a, safe[..., 0], a)
+            pairs[..., 1] = np.where(take_b, safe[..., 1], b)
+            moved += int(take_a.sum() + take_b.sum())
+        a, b = pairs[..., 0], pairs[..., 1]
+        if (np.maximum(a * sign, 0) + np.maximum(b * sign, 0) > PAIR_LIMIT).any():
+            raise ValueError("restore_pair_limit: the fallback values exceed the pair limit")
+    limited = pairs.reshape(channels, -1)[:, :k].astype(np.int32)
+    return from_reduction_matrix(limited, shape, slot), moved
