@@ -118,4 +118,6 @@ def _load(path: Path):
     return onnx.load(path)
 
 
-AGREEMENT_FLOOR = 0.85
+# Measured 0.990 unfused (95 of 96; fused 0.969 on an AVX-512 VNNI host) with the pinned VNNI
+# weights; 0.958 unfused when pinned to avx2 (pair-safe weights). Margin for ORT versions.
+AGREEMENT_FLOOR = 0.93
