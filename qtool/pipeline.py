@@ -21,6 +21,7 @@ import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
+from qtool.algorithms.channel_maxima import channel_maxima
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
@@ -146,9 +147,18 @@ def prepare(recipe: Recipe) -> PreparedModel:
         model = prepare_model(loaded, min_opset=min_opset, copy=False)
     del loaded
     equalization = None
-    if recipe.quantization.algorithm("cross_layer_equalization") is not None:
+    cle = recipe.quantization.algorithm("cross_layer_equalization")
+    if cle is not None:
         with phase("cross-layer equalization"):  # before calibration: ranges of what is run
-            equalization = equalize(model, recipe.quantization.per_channel)
+            # Pairs through Clip(0, 6) are bounded by per-channel maxima on calibration data.
+            samples = cle["samples"]
+            equalization = equalize(
+                model,
+                recipe.quantization.per_channel,
+                maxima=lambda tensors: channel_maxima(
+                    model, tensors, _calibration_inputs(recipe, samples)
+                ),
+            )
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
     }

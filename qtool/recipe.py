@@ -47,8 +47,9 @@ ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
     "adaround": {"samples": 256, "iterations": 1000},
     # samples: calibration samples the shift is measured on (the first N of the calibration set)
     "bias_correction": {"samples": 256},
-    # no parameters: exact rescaling of Conv -> (Relu) -> Conv pairs (qtool/algorithms/cle.py)
-    "cross_layer_equalization": {},
+    # exact rescaling of Conv -> (Relu | Clip(0, hi)) -> Conv pairs (qtool/algorithms/cle.py);
+    # samples: calibration samples whose per-channel maxima bound the scales through a Clip
+    "cross_layer_equalization": {"samples": 512},
     # alpha: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the layer's
     # quantized output error) or one number in [0, 1]; rows: input rows sampled per layer input
     # in the calibration pass for that search (qtool/algorithms/smoothquant.py)

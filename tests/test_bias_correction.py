@@ -37,12 +37,13 @@ def _recipe(folder: Path, base: str, name: str, cpu: str | None = None) -> Path:
 # The weights written depend on the deployment CPU (pair-safe int8 without VNNI, full-range with
 # it), and so does the shift bias correction can remove; the error is measured on the unfused QDQ
 # semantics, so pinning `quantization.cpu` makes each case the same on every host. Measured on
-# digits: avx2 0.0057 -> 0.0034 (pair-safe rounding is biased), avx512-vnni 0.0034 -> 0.0029.
+# digits: avx2 0.0057 -> 0.0034 (pair-safe rounding is biased), avx512-vnni 0.0032 -> 0.0029
+# (conv filters keep their sums in rounding, sum_rounding.py: less shift is left to remove).
 @pytest.mark.parametrize(
     ("base", "cpu", "ratio"),
     [
         ("recipe.yaml", "avx2", 0.7),
-        ("recipe.yaml", "avx512-vnni", 0.9),
+        ("recipe.yaml", "avx512-vnni", 0.95),
         ("recipe-int4.yaml", None, 0.7),
     ],
 )

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from qtool.algorithms.channel_maxima import channel_maxima
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
 from qtool.pipeline import prepare
 from qtool.recipe import load_recipe
@@ -17,8 +18,9 @@ from qtool.recipe import load_recipe
 CHANNELS = 8
 
 
-def _chain(middle: str = "Relu", seed: int = 0) -> onnx.ModelProto:
-    """Conv 3x3 (8 ch) -> act -> depthwise 3x3 -> Relu -> Conv 1x1, channels 3 decades apart."""
+def _chain(middle: str = "Relu", seed: int = 0, pad: bool = False) -> onnx.ModelProto:
+    """Conv 3x3 (8 ch) -> act -> depthwise 3x3 -> Relu -> Conv 1x1, channels 3 decades apart.
+    `pad`: the depthwise layer's padding done by a zero Pad node before it (TF "same" style)."""
     rng = np.random.default_rng(seed)
     spread = np.logspace(-1.5, 1.5, CHANNELS).astype(np.float32)
     w1 = rng.normal(size=(CHANNELS, 3, 3, 3)).astype(np.float32) * spread[:, None, None, None]
@@ -36,11 +38,17 @@ def _chain(middle: str = "Relu", seed: int = 0) -> onnx.ModelProto:
         act = helper.make_node("Clip", ["y1", "lo", "hi"], ["a1"], name="act1")
     else:
         act = helper.make_node(middle, ["y1"], ["a1"], name="act1")
+    dw_input, dw_pads, padding = "a1", [1, 1, 1, 1], []
+    if pad:
+        inits.append(numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "pp"))
+        padding = [helper.make_node("Pad", ["a1", "pp"], ["p1"], name="pad", mode="constant")]
+        dw_input, dw_pads = "p1", [0, 0, 0, 0]
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="conv1", pads=[1, 1, 1, 1]),
         act,
+        *padding,
         helper.make_node(
-            "Conv", ["a1", "dw", "bdw"], ["y2"], name="dw", pads=[1, 1, 1, 1], group=CHANNELS
+            "Conv", [dw_input, "dw", "bdw"], ["y2"], name="dw", pads=dw_pads, group=CHANNELS
         ),
         helper.make_node("Relu", ["y2"], ["a2"], name="act2"),
         helper.make_node("Conv", ["a2", "w3", "b3"], ["y"], name="conv3"),
@@ -48,11 +56,12 @@ def _chain(middle: str = "Relu", seed: int = 0) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         "chain",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 10, 10])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4, 10, 10])],
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, 10, 10])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4, 10, 10])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnx.shape_inference.infer_shapes(model)  # types of y1 etc.: the maxima pass reads them
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -112,7 +121,8 @@ def test_per_tensor_int8_error_drops_on_a_mismatched_depthwise_chain():
 
 
 def test_clip_and_other_activations_are_left_alone_with_the_reason():
-    for middle, why in [("Clip", "ReLU6"), ("Sigmoid", "not scale-equivariant")]:
+    """Without calibration data a Clip(0, 6) pair has no exact rescaling; Sigmoid never does."""
+    for middle, why in [("Clip", "needs calibration data"), ("Sigmoid", "not scale-equivariant")]:
         model = _chain(middle)
         before = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer}
         entry = equalize(model, per_channel=False)
@@ -121,6 +131,70 @@ def test_clip_and_other_activations_are_left_alone_with_the_reason():
         assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
         after = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
         np.testing.assert_array_equal(after["w1"], before["w1"])  # the Clip pair's first layer
+
+
+def _calibration() -> np.ndarray:
+    """Inputs large enough that conv1's widest channels pass 6 and its narrow ones never do."""
+    return np.random.default_rng(2).normal(size=(16, 3, 10, 10)).astype(np.float32) * 2.0
+
+
+def _equalize_on_data(model: onnx.ModelProto, x: np.ndarray, per_channel: bool = False) -> dict:
+    reference = onnx.ModelProto()
+    reference.CopyFrom(model)  # maxima of the unequalized model (equalize edits `model`)
+    return equalize(
+        model,
+        per_channel=per_channel,
+        maxima=lambda tensors: channel_maxima(reference, tensors, [{"x": x}]),
+    )
+
+
+def test_relu6_pair_is_exact_on_the_calibration_data_and_clipping_channels_keep_scale_1():
+    model, x = _chain("Clip"), _calibration()
+    want = _run(model, x)
+    maxima = channel_maxima(model, ["y1"], [{"x": x}])[0]["y1"]
+    reaching = maxima > 6.0
+    assert reaching.any() and (~reaching).any()  # the test needs both kinds of channel
+    w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1")).copy()
+    entry = _equalize_on_data(model, x)
+    pair = next(p for p in entry["pairs"] if (p["first"], p["second"]) == ("conv1", "dw"))
+    assert pair["activation"] == "Clip" and pair["clip_bound"] == 6.0
+    assert pair["channels"] == CHANNELS and pair["maxima_samples"] == len(x)
+    assert pair["channels_left_unscaled"] == int(reaching.sum())
+    assert pair["channels_clamped"] >= 1  # a narrow channel wanted more than 6 / max allows
+    got = _run(model, x)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+    after = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1"))
+    np.testing.assert_array_equal(after[reaching], w1[reaching])  # scale exactly 1
+    assert not np.allclose(after[~reaching], w1[~reaching])
+    # Each channel that did not reach the bound still does not: max / scale <= 6 (the Clip
+    # input of the equalized model on the same data).
+    new_maxima = channel_maxima(model, ["y1"], [{"x": x}])[0]["y1"]
+    assert np.all(new_maxima[~reaching] <= 6.0 * (1 + 1e-5))
+
+
+def test_relu6_equalization_is_not_exact_without_the_clamp():
+    """Why the data pass is needed: the unclamped CLE scales (the ones a Relu allows) put into
+    the Clip(0, 6) chain change its float function on the same data."""
+    x = _calibration()
+    clipped = _chain("Clip")
+    want = _run(clipped, x)
+    relu = _chain("Relu")
+    equalize(relu, per_channel=False)
+    scaled = {i.name: i for i in relu.graph.initializer}
+    for index, init in enumerate(clipped.graph.initializer):
+        if init.name in scaled:
+            clipped.graph.initializer[index].CopyFrom(scaled[init.name])
+    assert np.max(np.abs(_run(clipped, x) - want)) > 1e-2 * np.max(np.abs(want))
+
+
+def test_a_zero_pad_between_the_activation_and_the_second_layer_is_passed():
+    for middle in ("Relu", "Clip"):
+        model, x = _chain(middle, pad=True), _calibration()
+        want = _run(model, x)
+        entry = _equalize_on_data(model, x)
+        pair = next(p for p in entry["pairs"] if (p["first"], p["second"]) == ("conv1", "dw"))
+        assert pair["zero_pad_between"] is True
+        assert np.max(np.abs(_run(model, x) - want)) <= 1e-5 * np.max(np.abs(want))
 
 
 def test_a_tensor_read_twice_is_not_rescaled():

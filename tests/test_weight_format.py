@@ -25,6 +25,7 @@ from qtool.plan import WeightPlan
 from qtool.quantize import weight_format
 from qtool.quantize.layout import WeightSlot
 from qtool.quantize.params import quantize_weight
+from qtool.quantize.sum_rounding import keep_channel_sums
 from qtool.quantize.weight_format import (
     PAIR_LIMIT,
     can_saturate,
@@ -185,7 +186,7 @@ def test_uint8_weights_are_the_int8_values_plus_128() -> None:
     slot = WeightSlot("w", 0, "conv")
     plan = WeightPlan("w")
     u8 = choose_weight(weight, slot, plan, AVX2, "uint8-weights")
-    s8 = quantize_weight(weight, 0)
+    s8 = keep_channel_sums(weight, quantize_weight(weight, 0))  # a conv's filters keep sums
     assert plan.format == "u8" and u8.values.dtype == np.uint8
     assert (u8.zero_point_array() == 128).all()
     np.testing.assert_array_equal(u8.values.astype(np.int16) - 128, s8.values)
@@ -197,7 +198,8 @@ def test_cpus_that_do_not_saturate_keep_full_range_int8() -> None:
         plan = WeightPlan("w")
         params = choose_weight(weight, WeightSlot("w", 0, "conv"), plan, resolve_cpu(name), "auto")
         assert plan.format == "s8" and "does not saturate" in plan.reason
-        np.testing.assert_array_equal(params.values, quantize_weight(weight, 0).values)
+        full = keep_channel_sums(weight, quantize_weight(weight, 0))  # round-to-nearest + sums
+        np.testing.assert_array_equal(params.values, full.values)
 
 
 def test_depthwise_weights_stay_full_range_on_avx2() -> None:

@@ -1,18 +1,34 @@
 """Cross-layer equalization (Nagel et al. 2019, "Data-Free Quantization", section 4.1).
 
-Conv A -> (Relu | nothing) -> Conv B computes the same function when A's output channel i is
-divided by s_i > 0 and B's input channel i multiplied by s_i, because Relu(x / s) = Relu(x) / s.
-Choosing s_i = sqrt(r1_i / r2_i) (r1: A's range in output channel i, r2: B's range in input
-channel i) gives both the same range sqrt(r1_i r2_i), so one per-tensor grid no longer wastes
-its levels on a few wide channels: the case of depthwise convolutions, whose channels differ by
-orders of magnitude once BatchNorm is folded in. Chains of three or more convolutions share
-their middle layers, so the pairs are equalized in turns until the scales settle.
+Conv A -> (Relu | Clip(0, hi) | nothing) -> (zero Pad) -> Conv B computes the same function when
+A's output channel i is divided by s_i > 0 and B's input channel i multiplied by s_i, because
+Relu(x / s) = Relu(x) / s and a zero Pad commutes with scaling. Choosing s_i = sqrt(r1_i / r2_i)
+(r1: A's range in output channel i, r2: B's range in input channel i) gives both the same range
+sqrt(r1_i r2_i), so one per-tensor grid no longer wastes its levels on a few wide channels: the
+case of depthwise convolutions, whose channels differ by orders of magnitude once BatchNorm is
+folded in. Chains of three or more convolutions share their middle layers, so the pairs are
+equalized in turns until the scales settle.
 
-Only exact rewrites are made: Clip(0, 6) (ReLU6) is not scale-equivariant (its bound would
-have to move per channel), other activations are not either, and a tensor read by more than one
-node cannot be rescaled for one reader alone; such pairs are left as they are and listed with the
-reason. Bias absorption (moving part of A's bias through the Relu) needs the pre-activation
-distribution, which BatchNorm folding has already discarded here; it is not done.
+Clip(0, hi) (ReLU6: hi = 6) is not scale-equivariant for every input: s * Clip(x / s, 0, hi) =
+Clip(x, 0, s * hi), so the bound moves per channel and ONNX Clip takes one scalar bound. It is
+exact on the data, though, when the scale respects what the channel does there. A float pass over
+the first `samples` calibration inputs (channel_maxima.py) gives m_i, the largest value of A's
+output channel i (the Clip's input). A channel with m_i > hi reaches the bound: it keeps s_i = 1.
+A channel with m_i <= hi never clips; any s_i >= m_i / hi keeps it below the moved bound, so
+neither model clips it and both compute the same values: the CLE scale is clamped to that, and
+m_i / s_i is tracked through the turns of a chain (the constraint is on the cumulative scale).
+Guarantee: the equalized float model equals the original (to float rounding) on every input
+whose channel maxima at those Clips stay within the ones seen in that pass, in particular on
+those calibration samples; on an input that drives a never-clipping channel above m_i the
+equalized model clips it at s_i * hi >= m_i instead of hi, i.e. later but never earlier. The
+report gives, per pair, how many channels were clamped at m_i / hi and how many left at 1.
+
+Other activations are not equivariant, Clip with a lower bound other than 0 neither, and a tensor
+read by more than one node cannot be rescaled for one reader alone; such pairs are left as they
+are and listed with the reason. Bias absorption (moving part of A's bias through the activation)
+is not done: it pays only where a channel's pre-activation minimum is above 0 on all data, which
+BatchNorm-folded networks rarely show, and it is exact only when B has no zero padding reading
+the shifted values (pointwise B).
 
 A pair is kept only when it lowers the weight quantization noise of the two layers at the
 recipe's weight granularity (relative noise energy of an 8-bit grid, summed over both); with
@@ -22,24 +38,35 @@ per-channel weights A's noise cannot change, so the decision rests on B's.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
-# Activations between the two convolutions through which a positive per-channel scale passes.
-_EQUIVARIANT = {"Relu"}
+from qtool.quantize.fold_pad import zero_spatial_pads
+
 _ROUNDS = 20  # pairwise passes over a chain; settles in a few on real networks
 _TOLERANCE = 1e-6  # stop when no scale moves by more than this (relative)
 _MIN_RANGE = 1e-12  # channels whose weights are all zero are left unscaled
+_AT_BOUND = 1e-6  # a channel whose max / bound is within this of 1 counts as clamped
+
+# Per-channel maxima of the named tensors (A's outputs before a Clip) on calibration data.
+MaximaSource = Callable[[list[str]], tuple[dict[str, np.ndarray], int]]
 
 
 @dataclass
 class _Pair:
     first: onnx.NodeProto
     second: onnx.NodeProto
-    activation: str  # "Relu" or "none"
+    activation: str = "none"  # "Relu", "Clip" or "none"
+    bound: float | None = None  # Clip's upper bound (None: Relu-like, exact for every input)
+    pad: bool = False  # a zero Pad between the activation and B
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.first.name, self.second.name)
 
 
 @dataclass
@@ -68,11 +95,65 @@ def _skip(first: str, second: str, why: str) -> dict:
     return {"first": first, "second": second, "why": why}
 
 
+def _scalar(name: str, inits: dict[str, onnx.TensorProto]) -> float | None:
+    """A one-element constant's value (None when `name` is not a constant)."""
+    if name not in inits:
+        return None
+    value = numpy_helper.to_array(inits[name])
+    return float(value.reshape(())) if value.size == 1 else None
+
+
+def clip_bounds(
+    node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]
+) -> tuple[float | None, float | None] | None:
+    """(lower, upper) of a Clip whose bounds are constants (None: that side unbounded), or None
+    when a bound is computed at run time. Inputs (opset >= 11) or attributes (older)."""
+    bounds: list[float | None] = [None, None]
+    for k, attr in enumerate(("min", "max")):
+        if len(node.input) > k + 1 and node.input[k + 1]:
+            value = _scalar(node.input[k + 1], inits)
+            if value is None:
+                return None
+            bounds[k] = value
+        found = next((a for a in node.attribute if a.name == attr), None)
+        if found is not None:
+            bounds[k] = float(helper.get_attribute_value(found))
+    return bounds[0], bounds[1]
+
+
+def _through(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], pair: _Pair) -> str | None:
+    """Let `node` (between A and B) into `pair` when a positive scale passes it; else the reason."""
+    if node.op_type == "Pad":
+        if pair.pad or zero_spatial_pads(node, 4, inits) is None:
+            return "Pad between is not a constant-zero spatial Pad"
+        pair.pad = True
+        return None
+    if pair.activation != "none":
+        return f"{node.op_type} after {pair.activation} between"
+    if node.op_type == "Relu":
+        pair.activation = "Relu"
+        return None
+    if node.op_type == "Clip":
+        bounds = clip_bounds(node, inits)
+        if bounds is None:
+            return "Clip with bounds computed at run time"
+        lower, upper = bounds
+        if lower != 0.0:
+            return f"Clip with lower bound {lower} is not scale-equivariant (only 0 is)"
+        if upper is not None and not upper > 0.0:
+            return f"Clip with upper bound {upper}"
+        pair.activation, pair.bound = "Clip", upper
+        return None
+    return f"{node.op_type} between is not scale-equivariant"
+
+
 def _find_pairs(
     graph: onnx.GraphProto, convs: dict[str, _Conv], only: set[str] | None
 ) -> tuple[list[_Pair], list[dict]]:
-    """Conv -> (Relu | nothing) -> Conv pairs that can be rescaled exactly, and the near misses."""
+    """Conv -> (Relu | Clip(0, hi) | nothing) -> (zero Pad) -> Conv pairs that can be rescaled
+    exactly (Clip: on the data, see the module docstring), and the near misses with reasons."""
     readers = _readers(graph)
+    inits = {init.name: init for init in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -81,28 +162,28 @@ def _find_pairs(
     for name, conv in convs.items():
         if only is not None and name not in only:
             continue
-        tensor = conv.node.output[0]
-        after = consumers.get(tensor, [])
-        if len(after) != 1 or readers[tensor] != 1:
+        pair = _Pair(conv.node, conv.node)
+        tensor, nxt, why = conv.node.output[0], None, None
+        for _ in range(3):  # at most an activation and a Pad between the two convolutions
+            after = consumers.get(tensor, [])
+            if len(after) != 1 or readers[tensor] != 1:
+                break
+            if after[0].op_type == "Conv":
+                nxt = after[0]
+                break
+            middle = after[0]
+            if len(middle.output) != 1:
+                break
+            why = _through(middle, inits, pair)
+            if why is not None:
+                following = consumers.get(middle.output[0], [])
+                if len(following) == 1 and following[0].op_type == "Conv":
+                    skipped.append(_skip(name, following[0].name, why))
+                break
+            tensor = middle.output[0]
+        if nxt is None or why is not None:
             continue
-        activation, nxt = "none", after[0]
-        if nxt.op_type != "Conv":
-            middle = nxt
-            if len(middle.output) != 1 or readers[middle.output[0]] != 1:
-                continue
-            following = consumers.get(middle.output[0], [])
-            if len(following) != 1 or following[0].op_type != "Conv":
-                continue
-            if middle.op_type not in _EQUIVARIANT:
-                why = (
-                    "Clip between: ReLU6's bound would have to move per channel"
-                    if middle.op_type == "Clip"
-                    else f"{middle.op_type} between is not scale-equivariant"
-                )
-                skipped.append(_skip(name, following[0].name, why))
-                continue
-            activation, nxt = middle.op_type, following[0]
-        if nxt.input[0] != (tensor if activation == "none" else middle.output[0]):
+        if nxt.input[0] != tensor:
             continue  # the tensor is B's weight or bias, not its data input
         second = convs.get(nxt.name)
         if second is None:
@@ -117,7 +198,8 @@ def _find_pairs(
         if conv.group != 1 and not conv.depthwise:
             skipped.append(_skip(name, nxt.name, "grouped convolution (not depthwise)"))
             continue
-        pairs.append(_Pair(conv.node, nxt, activation))
+        pair.second = nxt
+        pairs.append(pair)
     return pairs, skipped
 
 
@@ -186,19 +268,38 @@ def _convs(model: onnx.ModelProto) -> dict[str, _Conv]:
     return convs
 
 
-def equalize(model: onnx.ModelProto, per_channel: bool, only: set[str] | None = None) -> dict:
+def equalize(
+    model: onnx.ModelProto,
+    per_channel: bool,
+    only: set[str] | None = None,
+    maxima: MaximaSource | None = None,
+) -> dict:
     """Equalize every eligible pair of `model` in place and return the report entry.
 
     `only`: the nodes that will be quantized (None: every Conv); a pair is equalized only when
-    both of its layers are. `per_channel`: the weight granularity the pair is judged at."""
+    both of its layers are. `per_channel`: the weight granularity the pair is judged at.
+    `maxima(tensors)`: per-channel maxima of those tensors on calibration data and the number
+    of samples they came from, for the pairs through Clip(0, hi); without it those pairs are
+    skipped (no exact rescaling is known without data)."""
     convs = _convs(model)
     pairs, skipped = _find_pairs(model.graph, convs, only)
+    bounded = [p for p in pairs if p.bound is not None]
+    limits: dict[tuple[str, str], np.ndarray] = {}
+    samples = 0
+    if bounded and maxima is None:
+        for pair in bounded:
+            why = f"Clip(0, {pair.bound:g}) between: needs calibration data to bound the scales"
+            skipped.append(_skip(*pair.key, why))
+        pairs = [p for p in pairs if p.bound is None]
+    elif bounded:
+        found, samples = maxima(sorted({p.first.output[0] for p in bounded}))
+        limits = {p.key: np.asarray(found[p.first.output[0]], np.float64) for p in bounded}
     originals = {
         name: (c.weight.copy(), None if c.bias is None else c.bias.copy())
         for name, c in convs.items()
     }
     before = {
-        (p.first.name, p.second.name): (
+        p.key: (
             _output_ranges(convs[p.first.name]).copy(),
             _input_ranges(convs[p.second.name]).copy(),
             relative_noise(convs[p.first.name].weight, per_channel)
@@ -206,10 +307,10 @@ def equalize(model: onnx.ModelProto, per_channel: bool, only: set[str] | None = 
         )
         for p in pairs
     }
-    _rebalance(convs, pairs)
+    bounds = _rebalance(convs, pairs, limits)
     kept, applied = set(), []
     for pair in pairs:
-        key = (pair.first.name, pair.second.name)
+        key = pair.key
         r1_before, r2_before, noise_before = before[key]
         first, second = convs[pair.first.name], convs[pair.second.name]
         noise_after = relative_noise(first.weight, per_channel) + relative_noise(
@@ -225,6 +326,8 @@ def equalize(model: onnx.ModelProto, per_channel: bool, only: set[str] | None = 
             "weight_noise_before": noise_before,
             "weight_noise_after": noise_after,
         }
+        if pair.pad:
+            entry["zero_pad_between"] = True
         if noise_after < noise_before:
             kept.update(key)
             applied.append(entry)
@@ -237,16 +340,41 @@ def equalize(model: onnx.ModelProto, per_channel: bool, only: set[str] | None = 
                 weight.copy(),
                 None if bias is None else bias.copy(),
             )
-        if applied:
-            wanted = {(e["first"], e["second"]) for e in applied}
-            keep_pairs = [p for p in pairs if (p.first.name, p.second.name) in wanted]
-            _rebalance(convs, keep_pairs)
+        wanted = {(e["first"], e["second"]) for e in applied}
+        bounds = _rebalance(convs, [p for p in pairs if p.key in wanted], limits)
+    for entry in applied:
+        pair = next(p for p in pairs if p.key == (entry["first"], entry["second"]))
+        if pair.bound is not None:
+            entry.update(_bound_report(pair, limits[pair.key], bounds[pair.key], samples))
     _write_back(model, convs, kept)
     return {"per_channel_weights": per_channel, "pairs": applied, "skipped": skipped}
 
 
-def _rebalance(convs: dict[str, _Conv], pairs: list[_Pair]) -> None:
-    """Equalize the pairs in turns until no scale moves (a middle layer belongs to two pairs)."""
+def _bound_report(pair: _Pair, maxima: np.ndarray, scale: np.ndarray, samples: int) -> dict:
+    """What the Clip's data constraint did to one pair's channels (report.json)."""
+    assert pair.bound is not None
+    reaching = maxima > pair.bound
+    at_bound = ~reaching & (maxima / scale >= pair.bound * (1.0 - _AT_BOUND)) & (scale != 1.0)
+    return {
+        "clip_bound": pair.bound,
+        "channels": int(maxima.size),
+        "channels_left_unscaled": int(reaching.sum()),  # reach the bound on calibration data
+        "channels_clamped": int(at_bound.sum()),  # scale raised to max / bound
+        "maxima_samples": samples,
+    }
+
+
+def _rebalance(
+    convs: dict[str, _Conv],
+    pairs: list[_Pair],
+    limits: dict[tuple[str, str], np.ndarray],
+) -> dict[tuple[str, str], np.ndarray]:
+    """Equalize the pairs in turns until no scale moves (a middle layer belongs to two pairs);
+    returns, per Clip pair, the cumulative scale of each channel.
+
+    A Clip pair's channel that reaches the bound on the data (max > bound) keeps scale 1; any
+    other keeps max / cumulative scale <= bound (module docstring)."""
+    total = {p.key: np.ones(limits[p.key].size) for p in pairs if p.key in limits}
     for _ in range(_ROUNDS):
         moved = 0.0
         for pair in pairs:
@@ -255,11 +383,21 @@ def _rebalance(convs: dict[str, _Conv], pairs: list[_Pair]) -> None:
             live = (r1 > _MIN_RANGE) & (r2 > _MIN_RANGE)
             scale = np.ones_like(r1)
             scale[live] = np.sqrt(r1[live] / r2[live])
+            if pair.key in total:
+                assert pair.bound is not None
+                maxima, cumulative = limits[pair.key], total[pair.key]
+                reaching = maxima > pair.bound
+                scale[reaching] = 1.0
+                # the cumulative scale after this step must stay >= max / bound
+                floor = np.maximum(maxima, 0.0) / pair.bound / cumulative
+                scale = np.where(reaching, 1.0, np.maximum(scale, floor))
+                total[pair.key] = cumulative * scale
             _scale_output(first, scale)
             _scale_input(second, scale)
             moved = max(moved, float(np.max(np.abs(scale - 1.0))) if scale.size else 0.0)
         if moved < _TOLERANCE:
             break
+    return total
 
 
 def _spread(r1: np.ndarray, r2: np.ndarray) -> float:

@@ -5,7 +5,7 @@ where shape arithmetic has been folded away (so no QDQ pair lands on it), where 
 known element type, where BatchNormalization is folded into the layer before it, and where 2-D
 MatMul+Add pairs are a single Gemm (the pattern ONNX Runtime fuses into QGemm). Torch exporters emit
 none of that directly. The passes live in their own modules: fold_constants, fold_bn, fuse_gemm,
-and shapes (ONNX shape inference without the cost of serializing the weights).
+fold_pad and shapes (ONNX shape inference without the cost of serializing the weights).
 
 Why a folder of our own instead of ONNX Runtime's BASIC optimisation level (what
 `quant_pre_process` uses): ORT's level-1 pass list also rewrites the graph in ways we must control —
@@ -29,6 +29,7 @@ from qtool.errors import ModelError
 from qtool.external_data import needs_external_data
 from qtool.quantize.fold_bn import fold_batch_norms
 from qtool.quantize.fold_constants import fold_constants
+from qtool.quantize.fold_pad import fold_pads
 from qtool.quantize.fuse_gemm import fuse_matmul_add
 from qtool.quantize.graph_edit import delete_indexes, drop_where, subgraph_names
 from qtool.quantize.opset21 import (
@@ -56,7 +57,8 @@ def prepare_model(
     into plain weights; remove Identity nodes; fold every node computable from constants (including
     Shape/Size of tensors whose shape is static and CastLike of a constant); fuse rank-2 MatMul+Add
     into Gemm; fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it
-    (and into a rank-2 MatMul, which becomes a Gemm);
+    (and into a rank-2 MatMul, which becomes a Gemm); fold a constant-zero spatial Pad into the
+    Conv it feeds (TensorFlow "same" padding, exported as Pad -> Conv);
     drop dead nodes and initializers; name unnamed nodes `{op_type}_{index}`; run ONNX shape
     inference, seeded with the exporter's types, so every tensor carries its element type.
     Deterministic: the same input gives byte-identical output.
@@ -83,6 +85,7 @@ def prepare_model(
     types = inference.types()
     changed = fuse_matmul_add(graph, types)
     changed |= fold_batch_norms(graph, types)
+    changed |= fold_pads(graph, types)
     if changed:
         _remove_dead(graph)
         inference = _infer_seeded(out)

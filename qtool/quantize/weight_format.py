@@ -33,6 +33,7 @@ import numpy as np
 from qtool.plan import WeightPlan
 from qtool.quantize.layout import WeightSlot
 from qtool.quantize.params import WeightParams, quantize_weight
+from qtool.quantize.sum_rounding import keep_channel_sums
 from qtool.runtime.cpu import CpuFeatures
 
 FORMATS = ("s8", "s8-pairsafe", "s7", "u8")
@@ -228,6 +229,8 @@ def choose_weight(
     """Quantize one weight in the format its CPU needs; record the format and why in `plan`."""
     weight = np.asarray(weight, dtype=np.float32)
     full = quantize_weight(weight, slot.axis, device)
+    if slot.reduction in ("conv", "depthwise"):  # filters keep their sums (sum_rounding.py)
+        full = keep_channel_sums(weight, full)
     if not cpu.u8s8_saturates:
         plan.format, plan.reason = "s8", f"int8 full range: {_cpu_name(cpu)} does not saturate"
         return full
