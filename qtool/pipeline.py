@@ -407,9 +407,14 @@ def _quantize(
     target = recipe.quantization.target
     nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
 
-    def write_weights(chosen: dict) -> onnx.ModelProto:
-        chosen_biases = bias_parameters(model, layout, activations, chosen)
-        return write_qdq_model(model, layout, activations, chosen, chosen_biases, target, nbits)
+    def write(float_model: onnx.ModelProto, chosen: dict) -> onnx.ModelProto:
+        """`float_model` as QDQ with the weights `chosen` and the int32 biases they imply: the
+        candidates AdaRound and bias correction compare (one of them changes the weights, the
+        other the float biases)."""
+        chosen_biases = bias_parameters(float_model, layout, activations, chosen)
+        return write_qdq_model(
+            float_model, layout, activations, chosen, chosen_biases, target, nbits
+        )
 
     rounding = None
     adaround = recipe.quantization.algorithm("adaround")
@@ -430,7 +435,7 @@ def _quantize(
             recipe.seed,
             progress,
             f"{recipe.path}: quantization.algorithms.adaround",
-            write_weights,
+            functools.partial(write, model),
         )
     biases = bias_parameters(model, layout, activations, weights)
     correction = recipe.quantization.algorithm("bias_correction")
@@ -440,12 +445,6 @@ def _quantize(
         # (Not after SmoothQuant: the staged file holds the unsmoothed model.)
         prepared.model = model = None  # dropped before the read: never held twice
         prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
-
-    def write(float_model: onnx.ModelProto) -> onnx.ModelProto:
-        float_biases = bias_parameters(float_model, layout, activations, weights)
-        return write_qdq_model(
-            float_model, layout, activations, weights, float_biases, target, nbits
-        )
 
     quantized = write_qdq_model(model, layout, activations, weights, biases, target, nbits)
     algorithms = {}
@@ -461,7 +460,7 @@ def _quantize(
                 model,
                 quantized,
                 layout.quantized_nodes(),
-                write,
+                lambda float_model: write(float_model, weights),
                 lambda: _calibration_inputs(recipe, correction["samples"]),
             )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}

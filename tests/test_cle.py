@@ -7,11 +7,11 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from qtool.algorithms.channel_maxima import channel_maxima
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
+from qtool.ort_session import create_session
 from qtool.pipeline import prepare
 from qtool.recipe import load_recipe
 
@@ -65,12 +65,8 @@ def _chain(middle: str = "Relu", seed: int = 0, pad: bool = False) -> onnx.Model
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"x": x})[0]
+    """The model's float function as written (no graph rewrites)."""
+    return create_session(model.SerializeToString(), optimize=False).run(None, {"x": x})[0]
 
 
 def _per_tensor_int8(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from qtool.data import iter_batches
-from qtool.evaluate import evaluate_models
 from qtool.models import load_entry_point
-from qtool.pipeline import quantize
+from qtool.pipeline import evaluate, quantize
 from qtool.recipe import load_recipe
 
 FOLDER = Path(__file__).resolve().parent.parent / "examples" / "effnet_lite"
@@ -100,12 +99,8 @@ def test_int8_model_keeps_agreeing_with_fp32(images, pretrained, tmp_path) -> No
     assert "Pad" not in {n.op_type for n in _load(recipe.float_model_path).graph.node}
     spec = recipe.evaluation
     batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, 96, recipe.seed)
-    evaluated = evaluate_models(
-        recipe.float_model_path,
-        result.model_path,
-        ((b.inputs, b.labels) for b in batches),
-        latency_runs=1,
-        progress=False,
+    evaluated = evaluate(
+        recipe.float_model_path, result.model_path, batches, latency_runs=1, progress=False
     )
     assert evaluated.samples == 96
     assert evaluated.gated().unfused.agreement >= AGREEMENT_FLOOR

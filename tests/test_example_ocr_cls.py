@@ -16,9 +16,8 @@ import onnxruntime
 import pytest
 
 from qtool.data import iter_batches
-from qtool.evaluate import evaluate_models
 from qtool.models import load_entry_point
-from qtool.pipeline import quantize
+from qtool.pipeline import evaluate, quantize
 from qtool.recipe import load_recipe
 
 FOLDER = Path(__file__).resolve().parent.parent / "examples" / "ocr_cls"
@@ -102,12 +101,8 @@ def test_int8_model_keeps_agreeing_with_fp32(fetched, tmp_path) -> None:
     result = quantize(dataclasses.replace(recipe, calibration=calibration), progress=False)
     spec = recipe.evaluation
     batches = iter_batches(spec.data, recipe.inputs, spec.batch_size, 128, recipe.seed)
-    evaluated = evaluate_models(
-        recipe.float_model_path,
-        result.model_path,
-        ((b.inputs, b.labels) for b in batches),
-        latency_runs=1,
-        progress=False,
+    evaluated = evaluate(
+        recipe.float_model_path, result.model_path, batches, latency_runs=1, progress=False
     )
     assert evaluated.samples == 128
     assert evaluated.agreement > 0.9

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+from qtool.ort_session import create_session
 from qtool.quantize.prepare import prepare_model
 
 
@@ -39,12 +39,8 @@ def _model(pads: list[int], mode: str = "constant", value: float | None = 0.0) -
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"x": x})[0]
+    """The model's float function as written (no graph rewrites)."""
+    return create_session(model.SerializeToString(), optimize=False).run(None, {"x": x})[0]
 
 
 @pytest.mark.parametrize("value", [0.0, None])

@@ -23,11 +23,9 @@ keeps that rounding, and the report says so.
 from __future__ import annotations
 
 import functools
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -51,9 +49,9 @@ from qtool.algorithms.adaround import (
     weight_groups,
 )
 from qtool.algorithms.bias_correction import output_error
-from qtool.calibration.collect import save_with_extra_outputs
+from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError, RecipeError
-from qtool.ort_session import create_session, ort_reason
+from qtool.ort_session import ort_reason
 from qtool.phases import phase
 from qtool.quantize.int4 import BlockwiseWeight
 from qtool.quantize.layout import Layout, WeightSlot
@@ -224,10 +222,7 @@ def collect_grams(
                 f"adaround: the input '{target.input}' of node '{target.node}' is not quantized"
             )
     outputs = sorted({t.input for t in targets} - graph_inputs)
-    with tempfile.TemporaryDirectory(prefix="qtool-adaround-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        save_with_extra_outputs(model, outputs, path)
-        session = create_session(path, optimize=False)
+    session = session_with_outputs(model, outputs, optimize=False)
     shared: dict[tuple, LayerSums] = {}
     by_node = {
         t.node: shared.setdefault(_rows_key(t), LayerSums(Grams(), Grams())) for t in targets

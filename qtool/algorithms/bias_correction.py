@@ -22,7 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 from qtool import external_data
-from qtool.calibration.collect import save_with_extra_outputs
+from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError
 from qtool.ort_session import create_session, ort_reason
 
@@ -207,10 +207,7 @@ def measure_shifts(
         return []
     model = local_model(float_model, quantized, targets)
     outputs = [t.output for t in targets] + [t.output + _LOCAL for t in targets]
-    with tempfile.TemporaryDirectory(prefix="qtool-biascorr-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        save_with_extra_outputs(model, outputs, path)
-        session = create_session(path, optimize=False)
+    session = session_with_outputs(model, outputs, optimize=False)
     sums: dict[str, np.ndarray | None] = {t.node: None for t in targets}
     rows = dict.fromkeys(sums, 0)
     for index, feed in enumerate(batches):

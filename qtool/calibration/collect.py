@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import onnx
+import onnxruntime
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from qtool import external_data
@@ -70,6 +71,18 @@ def save_with_extra_outputs(model: onnx.ModelProto, tensors: list[str], path: Pa
         external_data.write_model(model, path)
     finally:
         del outputs[keep:]
+
+
+def session_with_outputs(
+    model: onnx.ModelProto, tensors: list[str], *, optimize: bool = True
+) -> onnxruntime.InferenceSession:
+    """An ORT session of `model` with `tensors` as extra outputs, for the passes after
+    calibration (bias correction, AdaRound, CLE's channel maxima). The file is written to a
+    temporary folder and removed once ORT has read it; `model` is unchanged."""
+    with tempfile.TemporaryDirectory(prefix="qtool-outputs-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        save_with_extra_outputs(model, tensors, path)
+        return create_session(path, optimize=optimize)
 
 
 # ORT returns these as numpy float arrays; XᵀX is accumulated in float64 whatever they are.
