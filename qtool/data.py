@@ -9,9 +9,12 @@ once, so later stages can trust it and errors name the input and the sample.
 
 from __future__ import annotations
 
+import struct
+import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -87,8 +90,6 @@ def count_samples_hint(spec: DataSpec, max_samples: int | None) -> int | None:
     """Number of samples when cheaply known (for progress bars); None when the source streams."""
     total: int | None = None
     if spec.npz is not None:
-        import zipfile
-
         try:
             with zipfile.ZipFile(spec.npz) as archive:
                 first = next((n for n in archive.namelist() if n != "labels.npy"), None)
@@ -213,13 +214,11 @@ def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterat
     with the sample count; reading the .npy header and then row blocks from the zip stream keeps
     it flat (compressed or not).
     """
-    import zipfile
-
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
-    with archive:
+    with archive, open(path, "rb") as raw:
         members = {name.removesuffix(".npy"): name for name in archive.namelist()}
         names = [i.name for i in inputs]
         for name in names:
@@ -227,7 +226,7 @@ def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterat
                 known = ", ".join(sorted(members))
                 raise DataError(f"{path}: has no array '{name}' (arrays: {known})")
         wanted = names + (["labels"] if "labels" in members else [])
-        streams = {n: _NpyStream(archive, members[n], path) for n in wanted}
+        streams = {n: _NpyStream(archive, members[n], path, raw) for n in wanted}
         total = min(stream.rows for stream in streams.values())
         if len({stream.rows for stream in streams.values()}) != 1:
             counts = {n: stream.rows for n, stream in streams.items()}
@@ -243,9 +242,15 @@ _CHUNK = 64
 
 
 class _NpyStream:
-    """Row-block reader over one .npy member of a zip archive."""
+    """Row-block reader over one .npy member of a zip archive.
 
-    def __init__(self, archive, member: str, path: Path) -> None:
+    `raw`: the archive file opened once more. An uncompressed member (np.savez's default) is
+    then read with readinto straight into the batch's own array, where the zip stream would make
+    a bytes object, check its CRC and leave a read-only buffer to copy: three passes over every
+    sample instead of one (on 154 MB of ResNet inputs, 0.4 CPU s of calibration)."""
+
+    def __init__(self, archive, member: str, path: Path, raw: BinaryIO | None = None) -> None:
+        self.path = path
         self.handle = archive.open(member)
         try:
             version = np.lib.format.read_magic(self.handle)
@@ -262,10 +267,36 @@ class _NpyStream:
         self.shape, self.dtype = shape, dtype
         self.rows = shape[0]
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self.raw, self.offset = None, 0
+        info = archive.getinfo(member)
+        if raw is not None and info.compress_type == zipfile.ZIP_STORED:
+            self.raw, self.offset = raw, _stored_data_offset(raw, info, path) + self.handle.tell()
 
     def read(self, count: int) -> np.ndarray:
-        data = self.handle.read(count * self.row_bytes)
-        return np.frombuffer(data, dtype=self.dtype).reshape(count, *self.shape[1:]).copy()
+        if self.raw is None:
+            data = self.handle.read(count * self.row_bytes)
+            if len(data) != count * self.row_bytes:
+                raise DataError(f"{self.path}: ends inside an array (truncated file)")
+            return np.frombuffer(data, dtype=self.dtype).reshape(count, *self.shape[1:]).copy()
+        array = np.empty((count, *self.shape[1:]), dtype=self.dtype)
+        view = memoryview(array).cast("B")
+        self.raw.seek(self.offset)  # the streams of one archive share the handle
+        if self.raw.readinto(view) != len(view):
+            raise DataError(f"{self.path}: ends inside an array (truncated file)")
+        self.offset += len(view)
+        return array
+
+
+def _stored_data_offset(raw: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int:
+    """Where an uncompressed member's bytes start: after its local header (30 bytes, then the
+    name and the extra field, whose lengths the header gives; the central directory's copy of
+    the extra field may differ)."""
+    raw.seek(info.header_offset)
+    header = raw.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise DataError(f"{path}: member {info.filename} has a damaged zip header")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_length + extra_length
 
 
 def _npy_chunks(spec: DataSpec, where: str) -> Iterator[Batch]:

@@ -284,12 +284,13 @@ def write_model(model: onnx.ModelProto, path: Path) -> None:
         Path(path).write_bytes(model.SerializeToString())
 
 
-def check_model(model: onnx.ModelProto) -> None:
+def check_model(model: onnx.ModelProto, serialized: bytes | None = None) -> None:
     """onnx.checker on a model of any size. One with CHECK_IN_MEMORY_BYTES of tensor data or
     more is checked as its skeleton file beside a sparse data file of the right size (the checker
-    reads references, not the weights): no serialization of the whole model, nothing written."""
+    reads references, not the weights): no serialization of the whole model, nothing written.
+    `serialized`: `model`'s bytes when the caller has them (the checker would serialize again)."""
     if data_nbytes(model) < min(CHECK_IN_MEMORY_BYTES, EXTERNAL_DATA_THRESHOLD):
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(serialized if serialized is not None else model)
         return
     with tempfile.TemporaryDirectory(prefix="qtool-check-") as folder:
         path = Path(folder) / "model.onnx"
@@ -401,11 +402,16 @@ def model_sha256(path: Path, model: onnx.ModelProto | None = None) -> str:
     """SHA-256 of the model file followed by its external data files (streamed): for a model
     without external data, the file's own SHA-256. `model`: its proto, when already read."""
     digest = hashlib.sha256()
-    for file in [Path(path), *external_files(path, model)]:
+    hash_files(digest, [Path(path), *external_files(path, model)], path)
+    return digest.hexdigest()
+
+
+def hash_files(digest: hashlib._Hash, files: list[Path], model_path: Path) -> None:
+    """Stream `files` into `digest` in order (the model file `model_path` references them)."""
+    for file in files:
         try:
             with open(file, "rb") as handle:
                 while block := handle.read(_CHUNK):
                     digest.update(block)
         except FileNotFoundError:
-            raise ModelError(f"{path}: external data file {file} does not exist") from None
-    return digest.hexdigest()
+            raise ModelError(f"{model_path}: external data file {file} does not exist") from None

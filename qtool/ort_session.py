@@ -119,8 +119,12 @@ def create_session(
     optimize: bool = True,
     providers: list[str] | None = None,
     config: dict[str, str] | None = None,
+    save_optimized: Path | None = None,
 ) -> onnxruntime.InferenceSession:
     """Create an inference session with qtool's deterministic settings.
+
+    `save_optimized`: where ORT also saves the graph it optimized (initializers of 1 MB or more
+    to `save_optimized`.data), for reading what it runs (qtool.runtime.fusion).
 
     `model` is a path to an .onnx file or the serialized model bytes (used for models built in
     memory, e.g. during calibration with extra outputs). `threads` sets intra-op threads; None
@@ -137,6 +141,15 @@ def create_session(
     options = _session_options(threads, optimize)
     for key, value in sorted((config or {}).items()):  # e.g. MatMulNBits' accuracy level
         options.add_session_config_entry(key, value)
+    if save_optimized is not None:
+        options.optimized_model_filepath = str(save_optimized)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name",
+            f"{Path(save_optimized).name}.data",
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(1 << 20)
+        )
     try:
         session = onnxruntime.InferenceSession(model, sess_options=options, providers=requested)
     except Exception as exc:  # ORT raises several private exception types for a bad model.

@@ -43,7 +43,6 @@ from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.evaluate import EvalResult, evaluate_models
 from qtool.io import Staged, commit_files, stage
 from qtool.models import load_model
-from qtool.ort_session import create_session
 from qtool.phases import phase
 from qtool.quantize.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.quantize.layout import Layout, plan_layout
@@ -54,6 +53,7 @@ from qtool.quantize.qdq import write_qdq_model
 from qtool.recipe import Recipe
 from qtool.report import build_report, report_bytes
 from qtool.runtime.cpu import resolve_cpu
+from qtool.runtime.fusion import optimized_session
 from qtool.verify import verify
 
 if TYPE_CHECKING:
@@ -72,7 +72,9 @@ class PreparedModel:
     staged: external_data.StagedModel | None = None
     # Cross-layer equalization's report entry, when the recipe turns it on (done in prepare)
     equalization: dict | None = None
-    # The float model file written ahead of the commit, so calibration need not hold its bytes
+    # The float model file written ahead of the commit, so calibration need not hold its bytes.
+    # It holds `serialized`, of which `model` is the parse: calibration copies it rather than
+    # serializing `model` again, so nothing may change `model` before calibration.
     float_file: Staged | None = None
 
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
@@ -124,12 +126,16 @@ class QuantizeResult:
 # Calibration samples the verify stage runs fused and unfused: a saturating kernel shows on any
 # batch, and the unfused QDQ run of a transformer costs seconds per dozen samples.
 VERIFY_SAMPLES = 8
+VERIFY_THREADS = 1  # the fused-vs-unfused comparison is about numerics, not speed
 
 
-def source_sha256(recipe: Recipe) -> str:
-    """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file."""
+def source_sha256(recipe: Recipe, onnx_digest: hashlib._Hash | None = None) -> str:
+    """The model as the user gave it: the ONNX file, or the PyTorch factory and weights file.
+    `onnx_digest`: the ONNX source's hash, fed by load_model as it read the file."""
     spec = recipe.model
     if spec.onnx is not None:
+        if onnx_digest is not None:
+            return onnx_digest.hexdigest()
         return provenance.sha256_model(spec.onnx)
     digest = hashlib.sha256(str(spec.pytorch).encode())
     if spec.weights is not None:
@@ -142,7 +148,9 @@ def prepare(recipe: Recipe) -> PreparedModel:
     min_opset = recipe.model.opset
     if recipe.quantization.may_need_opset21:
         min_opset = max(min_opset, TARGET_OPSET)
-    loaded = load_model(recipe.model, recipe.inputs)
+    onnx_digest = hashlib.sha256()
+    loaded = load_model(recipe.model, recipe.inputs, onnx_digest)
+    source = source_sha256(recipe, onnx_digest)
     with phase("preparing graph"):  # in place: a model over 2 GB must not be held twice
         model = prepare_model(loaded, min_opset=min_opset, copy=False)
     del loaded
@@ -170,7 +178,6 @@ def prepare(recipe: Recipe) -> PreparedModel:
             f"{recipe.path}: no node can be quantized with quantization.op_types "
             f"{list(recipe.quantization.op_types)} and the exclude list"
         )
-    source = source_sha256(recipe)
     if external_data.needs_external_data(model):
         # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
         # is written), and read back from there for the same reason the small path re-parses.
@@ -265,6 +272,8 @@ def run_calibration(
             progress=progress and group.primary,
             model_dir=model_dir,
             channel_observers=observers,
+            # after source(): a released model's bytes are in the staged float file by now
+            serialized=None if prepared.float_file is None else prepared.float_file.path,
         )
         if prepared.staged is not None and reload:
             prepared.model = prepared.staged.load()
@@ -446,7 +455,10 @@ def _quantize(
         prepared.model = model = None  # dropped before the read: never held twice
         prepared.model = model = prepared.staged.load(skip=set(weights) | set(biases))
 
-    quantized = write_qdq_model(model, layout, activations, weights, biases, target, nbits)
+    # checked once, on the bytes that are written (onnx.checker would serialize it again)
+    quantized = write_qdq_model(
+        model, layout, activations, weights, biases, target, nbits, check=False
+    )
     algorithms = {}
     if prepared.equalization is not None:
         algorithms["cross_layer_equalization"] = prepared.equalization
@@ -474,14 +486,16 @@ def _quantize(
         # from the file instead of each copying the serialized model.
         if prepared.staged is not None or external_data.needs_external_data(quantized):
             with phase("writing the quantized model (external data)"):
+                external_data.check_model(quantized)
                 staged = external_data.stage_model(quantized, model_path)
             del quantized
             source, quant_files = staged.session_path, staged.files()
         else:
             source = quantized.SerializeToString()
+            external_data.check_model(quantized, source)
             quant_files = {model_path: source}
-        try:
-            create_session(source)
+        try:  # the session verify runs: a model ORT cannot load fails here, named
+            loaded = optimized_session(source, VERIFY_THREADS)
         except QtoolError as exc:
             message = str(exc)
             if isinstance(source, Path):  # name the output, not its temporary file
@@ -498,9 +512,12 @@ def _quantize(
                 layout.plan,
                 verify_feeds(recipe),
                 cpu,
+                VERIFY_THREADS,
                 target=recipe.quantization.target,
                 float_model=float_source,
+                loaded=loaded,
             )
+            del loaded
         files = {
             "float_model": str(recipe.float_model_path),
             "quantized_model": str(model_path),

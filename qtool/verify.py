@@ -20,7 +20,14 @@ from qtool.evaluate import latency_feed, measure_latency
 from qtool.ort_session import create_session
 from qtool.plan import NodePlan, Plan
 from qtool.runtime.cpu import CpuFeatures, detect_cpu
-from qtool.runtime.fusion import FUSED, compare_fused_unfused, fusion_summary, fusion_truth
+from qtool.runtime.fusion import (
+    FUSED,
+    OptimizedSession,
+    compare_fused_unfused,
+    fusion_summary,
+    fusion_truth,
+    optimized_session,
+)
 
 # Fused outputs this far below the unfused QDQ semantics mean the integer kernels do something
 # the QDQ graph does not say (saturation, or a fusion that changes the arithmetic).
@@ -112,12 +119,16 @@ def verify(
     threads: int = 1,
     target: str = "ort-cpu",
     float_model: bytes | Path | None = None,
+    loaded: OptimizedSession | None = None,
 ) -> Verification:
     """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
 
-    `quantized`: the serialized model, or its path (models with external data, over 2 GB)."""
+    `quantized`: the serialized model, or its path (models with external data, over 2 GB).
+    `loaded`: its optimized_session with `threads`, when the caller loaded it already."""
+    if loaded is None:
+        loaded = optimized_session(quantized, threads)
     planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
-    truth = fusion_truth(quantized, planned, threads)
+    truth = fusion_truth(quantized, planned, threads, loaded.graph)
     weight_only = set()
     for name, runtime in truth.items():
         node = plan[name]
@@ -134,7 +145,7 @@ def verify(
         if entry["name"] not in weight_only
     ]
     here = detect_cpu()
-    sqnr = compare_fused_unfused(quantized, feeds, threads)
+    sqnr = compare_fused_unfused(quantized, feeds, threads, loaded.session)
     summary["fused_vs_unfused_sqnr_db"] = {name: _json_db(v) for name, v in sqnr.items()}
     summary["verified_on_cpu"] = here.to_dict()
     for name, value in sqnr.items():

@@ -235,3 +235,23 @@ def test_collect_statistics_runs_ort_from_a_file_and_leaves_the_model_unchanged(
         assert s.minimum == pytest.approx(values.min(), rel=1e-6)
         assert s.maximum == pytest.approx(values.max(), rel=1e-6)
         assert s.counts.sum() == values.size
+
+
+def test_extra_outputs_appended_to_a_serialized_copy_equal_a_fresh_serialization(tmp_path):
+    """collect builds the calibration model from the staged float file plus a tail message
+    (protobuf merges concatenated messages): it must parse to exactly what serializing the
+    model with the outputs appended gives, and ORT must fetch the extra outputs from it."""
+    model = _tiny_model()
+    staged = tmp_path / "float.onnx"
+    staged.write_bytes(model.SerializeToString())
+    fresh, copied = tmp_path / "fresh.onnx", tmp_path / "copied.onnx"
+    collect.save_with_extra_outputs(model, ["h", "x"], fresh)
+    collect.save_with_extra_outputs(model, ["h", "x"], copied, serialized=staged)
+    parsed = onnx.load(str(copied))
+    assert parsed.SerializeToString() == fresh.read_bytes()
+    assert [o.name for o in parsed.graph.output] == ["y", "h", "x"]
+    x = np.random.default_rng(3).standard_normal((2, 6)).astype(np.float32)
+    h, y = collect.create_session(copied).run(["h", "y"], {"x": x})
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    np.testing.assert_allclose(h, x @ weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(y, np.maximum(h, 0))

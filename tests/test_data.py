@@ -95,6 +95,42 @@ def test_compressed_npz_streams_in_order_across_chunks(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), labels)
 
 
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed], ids=["stored", "deflated"])
+def test_npz_members_read_the_same_stored_or_compressed(tmp_path: Path, save) -> None:
+    """Stored members are read straight into the batch arrays (their own read path): the
+    values, the order across members and chunks, and writability (torch.from_numpy in QAT
+    warns on read-only arrays) must match the compressed path."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((150, 2, 3)).astype(np.float32)
+    ids = rng.integers(0, 1000, (150, 4))
+    labels = rng.integers(0, 5, 150)
+    save(tmp_path / "d.npz", ids=ids, labels=labels, x=x)
+    spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")
+    inputs = (InputSpec("x", (1, 2, 3)), InputSpec("ids", (1, 4), "int64"))
+    batches = list(iter_batches(spec, inputs, batch_size=40))
+    np.testing.assert_array_equal(np.concatenate([b.inputs["x"] for b in batches]), x)
+    np.testing.assert_array_equal(np.concatenate([b.inputs["ids"] for b in batches]), ids)
+    np.testing.assert_array_equal(np.concatenate([b.labels for b in batches]), labels)
+    assert all(b.inputs["x"].flags.writeable for b in batches)
+
+
+@pytest.mark.parametrize("compression", ["stored", "deflated"])
+def test_npz_member_shorter_than_its_header_names_the_file(tmp_path: Path, compression) -> None:
+    """A member whose .npy header promises more rows than it holds (a truncated write)."""
+    import io
+    import zipfile
+
+    full = io.BytesIO()
+    np.save(full, np.ones((100, 3), np.float32))
+    short = full.getvalue()[: -50 * 3 * 4]  # the header for 100 rows, the data of 50
+    kind = zipfile.ZIP_STORED if compression == "stored" else zipfile.ZIP_DEFLATED
+    with zipfile.ZipFile(tmp_path / "d.npz", "w", kind) as archive:
+        archive.writestr("x.npy", short)
+    spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")
+    with pytest.raises(DataError, match=r"d\.npz: ends inside an array"):
+        list(iter_batches(spec, VEC, batch_size=10))
+
+
 def test_npz_arrays_of_different_lengths_are_an_error(tmp_path: Path) -> None:
     np.savez(tmp_path / "d.npz", x=np.zeros((10, 3), np.float32), labels=np.arange(9))
     spec = DataSpec("calibration.data", npz=tmp_path / "d.npz")

@@ -29,6 +29,7 @@ from qtool import external_data, provenance
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import ModelError, OutputError
 from qtool.io import STALE_AFTER_S, Staged, commit_files, remove_stale_temporaries, stage
+from qtool.models import load_onnx
 
 LIMIT = 64 << 10
 HIDDEN = 256
@@ -316,6 +317,20 @@ def test_model_sha256_covers_the_data_file(tmp_path) -> None:
     content[-1] ^= 1  # one weight bit
     data.write_bytes(bytes(content))
     assert external_data.model_sha256(split) != before
+
+
+def test_loading_hashes_the_source_as_sha256_model_does(tmp_path) -> None:
+    """The provenance hash is taken from the one read of the model and its data files."""
+    model = mlp()
+    inline = tmp_path / "inline.onnx"
+    onnx.save(model, str(inline))
+    split = save_external(model, tmp_path / "split.onnx")
+    for path in (inline, split):
+        digest = hashlib.sha256()
+        loaded = load_onnx(path, digest)
+        assert digest.hexdigest() == external_data.model_sha256(path)
+        assert len(loaded.graph.initializer) == len(model.graph.initializer)
+        assert all(t.data_location == onnx.TensorProto.DEFAULT for t in loaded.graph.initializer)
 
 
 def test_staged_model_matches_its_files(small_limit, tmp_path) -> None:

@@ -21,6 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.errors import DataError, ModelError
+from qtool.ort_session import create_session
 from qtool.pipeline import quantize
 from qtool.recipe import load_recipe
 from qtool.runtime.fusion import (
@@ -29,6 +30,7 @@ from qtool.runtime.fusion import (
     fusion_summary,
     fusion_truth,
     optimized_graph,
+    optimized_session,
 )
 
 ON_ARM = platform.machine().lower() in ("aarch64", "arm64")
@@ -235,6 +237,22 @@ def test_optimized_graph_leaves_no_files_behind(mlp, tmp_path, monkeypatch):
     graph = optimized_graph(model_path)
     assert any(node.domain == "com.microsoft" for node in graph.graph.node)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_optimized_session_runs_what_a_plain_session_runs(mlp):
+    """The verify stage's one session also saves ORT's graph; saving must not change what it
+    computes (the fused-vs-unfused figure is meant to be the deployed model's)."""
+    model_path, _ = mlp
+    loaded = optimized_session(model_path)
+    plain = create_session(model_path, threads=1, optimize=True)
+    rng = np.random.default_rng(4)
+    shapes = {i.name: [d if isinstance(d, int) else 3 for d in i.shape] for i in plain.get_inputs()}
+    feed = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    for got, want in zip(loaded.session.run(None, feed), plain.run(None, feed), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert [n.op_type for n in loaded.graph.graph.node] == [
+        n.op_type for n in optimized_graph(model_path).graph.node
+    ]
 
 
 # Hand-made QDQ graphs in qtool's naming: {tensor}_QuantizeLinear, {weight}_quantized, ...

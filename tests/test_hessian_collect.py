@@ -144,9 +144,9 @@ def test_statistics_are_those_of_collect_statistics_and_shared_tensors_are_fetch
     fetched = []
     real = collect_module.save_with_extra_outputs
 
-    def spy(model, tensors, path):
+    def spy(model, tensors, path, serialized=None):
         fetched.append(list(tensors))
-        return real(model, tensors, path)
+        return real(model, tensors, path, serialized)
 
     monkeypatch.setattr(collect_module, "save_with_extra_outputs", spy)
     alone = collect_statistics(model, ["x", "y"], batches, bins=BINS // 2, progress=False)

@@ -44,10 +44,29 @@ def keep_channel_sums(weight: np.ndarray, params: WeightParams, limit: int = 127
     key = -residual * direction
     blocked = (values * direction >= limit) | (residual * direction <= 0)
     key = np.where(blocked, np.inf, key)
-    order = np.argsort(key, axis=1, kind="stable")
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.arange(values.shape[1])[None, :], axis=1)
-    flip = (ranks < np.abs(need)[:, None]) & ~blocked
+    flip = _first_in_stable_order(key, np.abs(need)) & ~blocked
     adjusted = values + flip * direction
     result = adjusted.reshape(params.values.shape).astype(params.values.dtype)
     return WeightParams(result, params.scale, params.axis, params.zero_point)
+
+
+def _first_in_stable_order(key: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Mask of each row's `counts[i]` smallest keys, ties going to the lower index: what the
+    first counts[i] entries of a stable argsort select, without sorting whole rows (a ResNet
+    3x3 layer has rows of 4608 weights and needs a handful; the sort took a second per model)."""
+    rows, width = key.shape
+    most = int(min(counts.max(), width))
+    if most == 0:
+        return np.zeros(key.shape, dtype=bool)
+    # the `most` smallest keys of each row, sorted: row i's threshold is its counts[i]-th
+    smallest = np.sort(np.partition(key, most - 1, axis=1)[:, :most], axis=1)
+    wanted = np.minimum(counts, width)
+    active = wanted > 0
+    threshold = smallest[np.arange(rows), np.maximum(wanted, 1) - 1][:, None]
+    below = key < threshold
+    # ties at the threshold: the lowest indices, as many as are still wanted
+    remaining = wanted[:, None] - below.sum(axis=1, keepdims=True)
+    at = key == threshold
+    mask = below | (at & (np.cumsum(at, axis=1) <= remaining))
+    mask &= active[:, None]
+    return mask

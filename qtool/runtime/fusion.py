@@ -42,13 +42,17 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
 from qtool.errors import DataError, ModelError
-from qtool.ort_session import CPU_PROVIDER, _session_options, create_session, ort_reason
+from qtool.ort_session import create_session, ort_reason
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 FUSED = "fused"
 FLOAT = "float"
@@ -225,48 +229,43 @@ def _load_structure(model: bytes | Path, what: str) -> onnx.ModelProto:
         raise ModelError(f"{what} {name} is not a readable ONNX model: {exc}") from None
 
 
+@dataclass
+class OptimizedSession:
+    """A session with qtool's settings and the graph ORT optimized for it, from one load: the
+    verify stage reads what ORT runs and runs it, where it used to load the model three times."""
+
+    session: onnxruntime.InferenceSession
+    # Structure only: initializers of 1 MB or more are external references without their data
+    # (fusion depends on node types, names and dtypes; the scalars it reads are small).
+    graph: onnx.ModelProto
+
+
+def optimized_session(
+    model: bytes | Path, threads: int = 1, config: dict[str, str] | None = None
+) -> OptimizedSession:
+    """`model` loaded the way ORT's CPU provider runs it, and the graph it runs.
+
+    Uses the same options as every qtool session (ORT_ENABLE_ALL, sequential, deterministic), so
+    the fusions seen here are the ones `qtool evaluate` measures. The graph may contain
+    com.microsoft ops (QLinearConv with channels_last, QGemm, ...) and the Transposes of ORT's
+    NHWC layout transform; it is hardware specific (ORT warns so when saving) and is meant to be
+    read, not shipped. ORT saves it to a temporary folder, large initializers to a side file
+    that is never read back (models over 2 GB can be saved too; the weights are not copied)."""
+    with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
+        target = Path(folder) / "optimized.onnx"
+        session = create_session(model, threads=threads, config=config, save_optimized=target)
+        if not target.is_file():
+            name = "<in-memory model>" if isinstance(model, bytes) else str(model)
+            raise ModelError(f"ONNX Runtime did not save the optimized graph of {name}")
+        graph = onnx.load(str(target), load_external_data=False)
+    return OptimizedSession(session, graph)
+
+
 def optimized_graph(
     model: bytes | Path, threads: int = 1, config: dict[str, str] | None = None
 ) -> onnx.ModelProto:
-    """The graph ORT's CPU provider runs: optimized with qtool's session settings, saved, read back.
-
-    Uses the same options as every qtool session (ORT_ENABLE_ALL, sequential, deterministic), so
-    the fusions seen here are the ones `qtool evaluate` measures. The result may contain
-    com.microsoft ops (QLinearConv with channels_last, QGemm, ...) and the Transposes of ORT's
-    NHWC layout transform; it is hardware specific (ORT warns so when saving) and is meant to be
-    read, not shipped. Large initializers go to a side file in the temporary folder, so models
-    over 2 GB can be saved too; they are loaded back into the returned proto before the folder is
-    deleted.
-    """
-    if isinstance(model, bytes):
-        source: bytes | str = model
-        name = "<in-memory model>"
-    else:
-        path = Path(model)
-        if not path.is_file():
-            raise ModelError(f"model file {path} does not exist")
-        source, name = str(path), str(path)
-    import onnxruntime
-
-    with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
-        target = Path(folder) / "optimized.onnx"
-        options = _session_options(threads, optimize=True)
-        options.optimized_model_filepath = str(target)
-        for key, value in sorted((config or {}).items()):
-            options.add_session_config_entry(key, value)
-        options.add_session_config_entry(
-            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
-        )
-        options.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes", str(1 << 20)
-        )
-        try:
-            onnxruntime.InferenceSession(source, sess_options=options, providers=[CPU_PROVIDER])
-        except Exception as exc:  # ORT raises several private exception types for a bad model
-            raise ModelError(f"ONNX Runtime cannot load {name}: {ort_reason(exc)}") from exc
-        if not target.is_file():
-            raise ModelError(f"ONNX Runtime did not save the optimized graph of {name}")
-        return onnx.load(str(target))
+    """The graph ORT's CPU provider runs (optimized_session's, structure only)."""
+    return optimized_session(model, threads, config).graph
 
 
 # Mapping planned nodes to ORT nodes
@@ -620,18 +619,27 @@ class Located:
     found: dict[str, onnx.NodeProto | None]  # name -> ORT node (None: removed)
 
 
-def locate(model: bytes | Path, planned: dict[str, str], threads: int = 1) -> Located:
+def locate(
+    model: bytes | Path,
+    planned: dict[str, str],
+    threads: int = 1,
+    optimized: onnx.ModelProto | None = None,
+) -> Located:
     """Find each planned node (name -> op type) in ORT's optimized graph of `model` by the
-    mapping rule of `fusion_truth`; shared by it and the per-node profiler (runtime/profile)."""
+    mapping rule of `fusion_truth`; shared by it and the per-node profiler (runtime/profile).
+    `optimized`: that graph when the caller has it (optimized_session), else ORT makes it."""
     qdq = _Index(_load_structure(model, "quantized model"))
     nodes = {name: _planned_node(name, op_type, qdq) for name, op_type in planned.items()}
-    ort = _Index(optimized_graph(model, threads))
+    ort = _Index(optimized if optimized is not None else optimized_graph(model, threads))
     found = {name: _find_ort_node(node, qdq, ort) for name, node in nodes.items()}
     return Located(qdq, ort, nodes, found)
 
 
 def fusion_truth(
-    quantized: bytes | Path, planned: dict[str, str], threads: int = 1
+    quantized: bytes | Path,
+    planned: dict[str, str],
+    threads: int = 1,
+    optimized: onnx.ModelProto | None = None,
 ) -> dict[str, NodeRuntime]:
     """For each planned node (name in qtool's QDQ model -> op type): what ORT's CPU provider runs.
 
@@ -642,7 +650,7 @@ def fusion_truth(
     name, re-created nodes get GenerateNodeName(old name), and no fusion renames the initializers
     it moves into the fused node. Results come back in the order of `planned`.
     """
-    located = locate(quantized, planned, threads)
+    located = locate(quantized, planned, threads, optimized)
     qdq, ort = located.qdq, located.ort
     truth: dict[str, NodeRuntime] = {}
     for name, node in located.planned.items():
@@ -723,7 +731,10 @@ class SignalNoise:
 
 
 def compare_fused_unfused(
-    quantized: bytes | Path, feeds: Iterable[dict[str, np.ndarray]], threads: int = 1
+    quantized: bytes | Path,
+    feeds: Iterable[dict[str, np.ndarray]],
+    threads: int = 1,
+    fused: onnxruntime.InferenceSession | None = None,
 ) -> dict[str, float]:
     """Per model output: SQNR (dB) of the ORT_ENABLE_ALL session against ORT_DISABLE_ALL.
 
@@ -733,7 +744,8 @@ def compare_fused_unfused(
     int8 on x86 without VNNI) differently. inf means bit-identical outputs over all batches.
     """
     source = quantized if isinstance(quantized, bytes) else Path(quantized)
-    fused = create_session(source, threads=threads, optimize=True)
+    if fused is None:  # else the caller's ORT_ENABLE_ALL session of `quantized`
+        fused = create_session(source, threads=threads, optimize=True)
     unfused = create_session(source, threads=threads, optimize=False)
     names = [o.name for o in unfused.get_outputs()]
     signal = dict.fromkeys(names, 0.0)
