@@ -6,9 +6,9 @@ What calibration cannot do with less: run the float model over every calibration
 benchmark runs it twice, on the model with the tensors qtool observes exposed as outputs (what a
 calibrator must at least pay in time and memory) and on the model as it is. The session is created
 by qtool's own `create_session` from the file path, so settings (providers, threads, sequential
-execution, optimisation level) are exactly those of qtool's calibration session; every output of
-every batch is fetched (as numpy arrays) and dropped. Imports numpy, onnxruntime and
-qtool.ort_session only: no torch, no kernels, so time and peak memory are ORT's.
+execution, optimisation level, no spinning between runs) are exactly those of qtool's calibration
+session; every output of every batch is fetched (as numpy arrays) and dropped. Imports numpy,
+onnxruntime and qtool.ort_session only: no torch, no kernels, so time and peak memory are ORT's.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     with np.load(args.data) as data:
         arrays = {name: data[name] for name in data.files if name != "labels"}
     n = len(next(iter(arrays.values())))
-    session = create_session(Path(args.model))
+    session = create_session(Path(args.model), spinning=False)  # as qtool's calibration
     names = [o.name for o in session.get_outputs()]
     t0 = time.perf_counter()
     runs = elements = 0

@@ -211,14 +211,19 @@ def _tiny_model() -> onnx.ModelProto:
 
 
 def test_collect_statistics_runs_ort_from_a_file_and_leaves_the_model_unchanged(monkeypatch):
+    """...from a file (no model bytes held), without ORT threads spinning through the observers."""
     model = _tiny_model()
     before = model.SerializeToString()
     opened = []
     real = collect.create_session
 
+    options = []
+
     def spy(source, **kwargs):
         opened.append(source)
-        return real(source, **kwargs)
+        session = real(source, **kwargs)
+        options.append(session.get_session_options())
+        return session
 
     monkeypatch.setattr(collect, "create_session", spy)
     rng = np.random.default_rng(9)
@@ -227,6 +232,7 @@ def test_collect_statistics_runs_ort_from_a_file_and_leaves_the_model_unchanged(
         model, ["x", "h"], [Batch({"x": x}, None) for x in xs], bins=BINS // 2, progress=False
     )
     assert len(opened) == 1 and isinstance(opened[0], Path)  # a path: no model bytes kept
+    assert options[0].get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert not opened[0].exists()  # the temporary file is gone
     assert model.SerializeToString() == before
     weight = numpy_helper.to_array(model.graph.initializer[0])

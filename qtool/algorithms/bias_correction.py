@@ -262,8 +262,8 @@ def output_error(
             path = Path(tmp) / f"{label}.onnx"
             external_data.write_model(model, path)  # over 2 GB: with external data
             paths.append(path)
-        reference = create_session(paths[0])
-        candidate = create_session(paths[1], optimize=False)
+        reference = create_session(paths[0], spinning=False)
+        candidate = create_session(paths[1], optimize=False, spinning=False)
     total, count = 0.0, 0
     for feed in batches:
         for r, q in zip(

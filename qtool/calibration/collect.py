@@ -98,7 +98,7 @@ def session_with_outputs(
     with tempfile.TemporaryDirectory(prefix="qtool-outputs-") as tmp:
         path = Path(tmp) / "model.onnx"
         save_with_extra_outputs(model, tensors, path)
-        return create_session(path, optimize=optimize)
+        return create_session(path, optimize=optimize, spinning=False)
 
 
 # ORT returns these as numpy float arrays; XᵀX is accumulated in float64 whatever they are.
@@ -180,7 +180,8 @@ def collect(
         try:
             save_with_extra_outputs(model, fetch, path, serialized)
             del model  # the caller's only reference, when it passed that: the session has its own
-            session = create_session(path, threads=threads)  # ORT has read the file; it can go
+            # ORT has read the file; it can go. Observers run between batches: no spinning.
+            session = create_session(path, threads=threads, spinning=False)
         except ModelError as exc:  # name the model, not the temporary file
             raise ModelError(
                 str(exc).replace(str(path), "the model with the observed tensors as outputs")
