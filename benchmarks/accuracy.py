@@ -26,14 +26,17 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json
 from qtool.data import Batch, iter_batches
+from qtool.errors import RecipeError
 from qtool.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
 from qtool.pipeline import quantize
-from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS, Recipe, load_recipe
+from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS, Recipe, load_recipe, read_algorithms
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -190,19 +193,47 @@ def algorithm_label(algorithms: tuple[str, ...]) -> str:
     return "+".join(algorithms) if algorithms else "none"
 
 
+def split_spec(item: str) -> tuple[str, dict]:
+    """`name` or `name[key=value;key=value]` -> (name, {key: YAML value}): a parameter away from
+    its default (e.g. `cross_layer_equalization[bias_absorption=true]`)."""
+    name, _, rest = item.partition("[")
+    params: dict = {}
+    if rest:
+        if not rest.endswith("]"):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name[key=value;...]")
+        for pair in (p for p in rest[:-1].split(";") if p):
+            key, equals, value = pair.partition("=")
+            if not equals:
+                raise argparse.ArgumentTypeError(f"{item!r}: {pair!r} is not key=value")
+            params[key.strip()] = yaml.safe_load(value)
+    return name, params
+
+
+def resolve_algorithms(algorithms: tuple[str, ...]) -> tuple[tuple[str, dict], ...]:
+    """The recipe's `quantization.algorithms` for one set: defaults, then the set's parameters,
+    validated as a recipe's are (RecipeError names `--algorithms` and the key)."""
+    return read_algorithms(dict(split_spec(item) for item in algorithms), "--algorithms")
+
+
 def parse_algorithm_sets(text: str) -> list[tuple[str, ...]]:
-    """`none,bias_correction,cross_layer_equalization+bias_correction` -> sets in run order."""
+    """`none,bias_correction,cross_layer_equalization+bias_correction` -> sets in run order; a
+    name may carry parameters: `cross_layer_equalization[bias_absorption=true]`."""
     known = implemented_algorithms()
     sets: list[tuple[str, ...]] = []
     for item in (x for x in text.split(",") if x):
-        names = () if item == "none" else tuple(item.split("+"))
-        unknown = [n for n in names if n not in known]
+        specs = () if item == "none" else tuple(item.split("+"))
+        unknown = [n for n, _ in map(split_spec, specs) if n not in known]
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"{unknown[0]!r}: not an algorithm this qtool implements (known: none, "
                 f"{', '.join(known)}; join several with +)"
             )
-        ordered = tuple(n for n in ALGORITHM_ORDER if n in names)
+        try:
+            resolve_algorithms(specs)
+        except RecipeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        order = {name: index for index, name in enumerate(ALGORITHM_ORDER)}
+        ordered = tuple(sorted(specs, key=lambda spec: order[split_spec(spec)[0]]))
         if ordered not in sets:
             sets.append(ordered)
     if not sets:
@@ -211,8 +242,9 @@ def parse_algorithm_sets(text: str) -> list[tuple[str, ...]]:
 
 
 def with_algorithms(recipe: Recipe, algorithms: tuple[str, ...]) -> Recipe:
-    """The recipe with exactly `algorithms` on, each at its documented defaults."""
-    chosen = tuple((name, dict(ALGORITHM_PARAMS[name])) for name in algorithms)
+    """The recipe with exactly `algorithms` on, each at its documented defaults unless the set
+    names a parameter (`name[key=value]`)."""
+    chosen = resolve_algorithms(algorithms)
     return dataclasses.replace(
         recipe, quantization=dataclasses.replace(recipe.quantization, algorithms=chosen)
     )
@@ -410,7 +442,7 @@ def print_tables(console: Console, report: dict) -> None:
             rows = [r for r in runs if r["method"] == method]
             for i, run in enumerate(rows):
                 label = method + (f" ({PERCENTILE})" if method == "percentile" else "")
-                head = [label if i == 0 else "", _quantizer(run)]
+                head = [label if i == 0 else "", escape(_quantizer(run))]  # [k=v] is no markup
                 last = i == len(rows) - 1
                 if "scores" not in run:
                     status = run.get("status", "-")
@@ -535,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         failed |= run["status"] != "ok" and not run["status"].startswith("n/a")
         save_json(report, args.json)
         timing = f" ({run['quantize_s']:.1f} s)" if "quantize_s" in run else ""
-        console.log(f"{run['example']} {run['method']} {_quantizer(run)}: {run['status']}{timing}")
+        console.log(
+            escape(f"{run['example']} {run['method']} {_quantizer(run)}: {run['status']}{timing}")
+        )
 
     for example in args.examples:
         try:

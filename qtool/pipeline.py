@@ -21,7 +21,7 @@ import onnx
 
 from qtool import __version__, distributed, external_data, kernels, provenance
 from qtool.algorithms.bias_correction import apply_bias_correction
-from qtool.algorithms.channel_maxima import channel_maxima
+from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
@@ -158,14 +158,16 @@ def prepare(recipe: Recipe) -> PreparedModel:
     cle = recipe.quantization.algorithm("cross_layer_equalization")
     if cle is not None:
         with phase("cross-layer equalization"):  # before calibration: ranges of what is run
-            # Pairs through Clip(0, 6) are bounded by per-channel maxima on calibration data.
+            # Pairs through Clip(0, 6) are bounded by per-channel maxima on calibration data,
+            # bias absorption by the minima (one pass for both, on the unequalized model).
             samples = cle["samples"]
             equalization = equalize(
                 model,
                 recipe.quantization.per_channel,
-                maxima=lambda tensors: channel_maxima(
+                ranges=lambda tensors: channel_ranges(
                     model, tensors, _calibration_inputs(recipe, samples)
                 ),
+                bias_absorption=cle["bias_absorption"],
             )
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT

@@ -36,6 +36,9 @@ SUPPORTED_OP_TYPES = (
     "AveragePool",
     "Gather",
 )
+# cross_layer_equalization.bias_absorption when the recipe does not say (chosen by measurement:
+# examples/effnet_lite/README.md, "Bias absorption").
+BIAS_ABSORPTION_DEFAULT = False
 # quantization.algorithms, in the fixed order they run; the parameters each takes, with defaults.
 # adaround before bias_correction: bias correction measures the mean output shift of the layer
 # as it will be stored, so it must see the final rounded weights (rounding after it would leave
@@ -49,7 +52,9 @@ ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
     "bias_correction": {"samples": 256},
     # exact rescaling of Conv -> (Relu | Clip(0, hi)) -> Conv pairs (qtool/algorithms/cle.py);
     # samples: calibration samples whose per-channel maxima bound the scales through a Clip
-    "cross_layer_equalization": {"samples": 512},
+    # (and whose minima bound the shifts); bias_absorption: move what the activation allows of
+    # A's bias into B's afterwards (qtool/algorithms/bias_absorption.py)
+    "cross_layer_equalization": {"samples": 512, "bias_absorption": BIAS_ABSORPTION_DEFAULT},
     # alpha: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the layer's
     # quantized output error) or one number in [0, 1]; rows: input rows sampled per layer input
     # in the calibration pass for that search (qtool/algorithms/smoothquant.py)
@@ -835,6 +840,12 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
     )
 
 
+def read_algorithms(raw: Any, source: str) -> tuple[tuple[str, dict], ...]:
+    """`quantization.algorithms` given outside a recipe file (benchmarks' `--algorithms`),
+    validated as in a recipe; errors name `source` where a recipe error names the file."""
+    return _read_algorithms(_Reader(Path(source)), raw)
+
+
 def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
     """`[bias_correction]` or `{bias_correction: {samples: 128}}`; run in ALGORITHM_ORDER."""
     where = "quantization.algorithms"
@@ -859,6 +870,8 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
                 params[key] = reader.integer(
                     value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SMOOTHQUANT_ROWS
                 )
+            elif (name, key) == ("cross_layer_equalization", "bias_absorption"):
+                params[key] = reader.boolean(value, f"{where}.{name}.{key}")
             elif (name, key) == ("adaround", "iterations"):
                 params[key] = reader.integer(
                     value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_ADAROUND_ITERATIONS

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.algorithms.channel_maxima import channel_maxima
+from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
 from qtool.ort_session import create_session
 from qtool.pipeline import prepare
@@ -140,14 +140,14 @@ def _equalize_on_data(model: onnx.ModelProto, x: np.ndarray, per_channel: bool =
     return equalize(
         model,
         per_channel=per_channel,
-        maxima=lambda tensors: channel_maxima(reference, tensors, [{"x": x}]),
+        ranges=lambda tensors: channel_ranges(reference, tensors, [{"x": x}]),
     )
 
 
 def test_relu6_pair_is_exact_on_the_calibration_data_and_clipping_channels_keep_scale_1():
     model, x = _chain("Clip"), _calibration()
     want = _run(model, x)
-    maxima = channel_maxima(model, ["y1"], [{"x": x}])[0]["y1"]
+    maxima = channel_ranges(model, ["y1"], [{"x": x}]).maxima["y1"]
     reaching = maxima > 6.0
     assert reaching.any() and (~reaching).any()  # the test needs both kinds of channel
     w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1")).copy()
@@ -164,7 +164,7 @@ def test_relu6_pair_is_exact_on_the_calibration_data_and_clipping_channels_keep_
     assert not np.allclose(after[~reaching], w1[~reaching])
     # Each channel that did not reach the bound still does not: max / scale <= 6 (the Clip
     # input of the equalized model on the same data).
-    new_maxima = channel_maxima(model, ["y1"], [{"x": x}])[0]["y1"]
+    new_maxima = channel_ranges(model, ["y1"], [{"x": x}]).maxima["y1"]
     assert np.all(new_maxima[~reaching] <= 6.0 * (1 + 1e-5))
 
 
@@ -204,7 +204,7 @@ def test_digits_with_cle_reports_its_pair_and_keeps_accuracy(digits_dir, cli, tm
     recipe = digits_dir / "cle.yaml"
     recipe.write_text(
         "base: recipe.yaml\nquantization:\n  per_channel: false\n"
-        "  algorithms: [cross_layer_equalization]\n"
+        "  algorithms: {cross_layer_equalization: {bias_absorption: true}}\n"
     )
     out = tmp_path / "cle"
     result = cli("quantize", recipe, "-o", out, "--no-progress")
@@ -213,6 +213,9 @@ def test_digits_with_cle_reports_its_pair_and_keeps_accuracy(digits_dir, cli, tm
     pairs = entry["cross_layer_equalization"]["pairs"]
     assert [(p["first"], p["second"]) for p in pairs] == [("/conv1/Conv", "/conv2/Conv")]
     assert pairs[0]["weight_noise_after"] < pairs[0]["weight_noise_before"]
+    # conv2 is a 3x3 with zero padding: its border would read 0 where a shifted channel was
+    assert entry["cross_layer_equalization"]["bias_absorption"] is True
+    assert "pads its input" in pairs[0]["bias_absorption"]["skipped"]
     # The float model written is the equalized one: calibration ran on what is quantized.
     written = {
         i.name: numpy_helper.to_array(i)
