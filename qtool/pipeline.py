@@ -158,8 +158,8 @@ def prepare(recipe: Recipe) -> PreparedModel:
     cle = recipe.quantization.algorithm("cross_layer_equalization")
     if cle is not None:
         with phase("cross-layer equalization"):  # before calibration: ranges of what is run
-            # Pairs through Clip(0, 6) are bounded by per-channel maxima on calibration data,
-            # bias absorption by the minima (one pass for both, on the unequalized model).
+            # Pairs through Clip(0, 6) (when asked for) are bounded by per-channel maxima on
+            # calibration data, bias absorption by the minima (one pass for both, unequalized).
             samples = cle["samples"]
             equalization = equalize(
                 model,
@@ -168,6 +168,7 @@ def prepare(recipe: Recipe) -> PreparedModel:
                     model, tensors, _calibration_inputs(recipe, samples)
                 ),
                 bias_absorption=cle["bias_absorption"],
+                through_clip=cle["through_clip"],
             )
     float_tensors = {
         name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT

@@ -92,6 +92,7 @@ def _equalize(model: onnx.ModelProto, x: np.ndarray, absorb: bool) -> dict:
         per_channel=False,
         ranges=lambda tensors: channel_ranges(reference, tensors, [{"x": x}]),
         bias_absorption=absorb,
+        through_clip=True,
     )
 
 
@@ -127,6 +128,7 @@ def test_relu_pair_is_exact_on_the_calibration_data_and_narrows_the_relu_output(
     # After the shift each moved channel's minimum on the same data is 0: Relu cuts nothing new.
     after = channel_ranges(model, ["y1"], [{"x": x}]).minima["y1"]
     np.testing.assert_allclose(after[minima > 0], 0.0, atol=1e-5)
+
     # ... and what the Relu passes on (the tensor that is quantized) is narrower.
     def top(m: onnx.ModelProto) -> float:
         return float(channel_ranges(m, ["a1"], [{"x": x}]).maxima["a1"].max())
@@ -187,9 +189,10 @@ def test_no_activation_centres_each_channel_and_is_exact_for_any_input():
     (pair,) = entry["pairs"]
     assert pair["activation"] == "none"
     assert pair["bias_absorption"]["channels_absorbed"] == CHANNELS
-    before, after = pair["bias_absorption"]["output_range_before"], pair["bias_absorption"][
-        "output_range_after"
-    ]
+    before, after = (
+        pair["bias_absorption"]["output_range_before"],
+        pair["bias_absorption"]["output_range_after"],
+    )
     assert after[1] - after[0] < before[1] - before[0]
     assert _exact(_run(model, x), want)
     assert _exact(_run(model, other), want_other)  # a linear link: exact off the data too
@@ -224,6 +227,7 @@ def test_the_recipe_parameter_defaults_to_off_and_rejects_non_booleans(tmp_path)
     assert recipe.quantization.algorithm("cross_layer_equalization") == {
         "samples": 64,
         "bias_absorption": False,
+        "through_clip": False,
     }
     on = load_recipe(_recipe(tmp_path, {"bias_absorption": True}))
     assert on.quantization.algorithm("cross_layer_equalization")["bias_absorption"] is True
@@ -242,7 +246,10 @@ def test_the_benchmark_spells_the_parameter_in_brackets(tmp_path):
     assert sets == [("cross_layer_equalization[bias_absorption=true]", "bias_correction"), ()]
     recipe = with_algorithms(load_recipe(_recipe(tmp_path, {})), sets[0])
     assert recipe.quantization.algorithms == (
-        ("cross_layer_equalization", {"samples": 512, "bias_absorption": True}),
+        (
+            "cross_layer_equalization",
+            {"samples": 512, "bias_absorption": True, "through_clip": False},
+        ),
         ("bias_correction", {"samples": 256}),
     )
     with pytest.raises(argparse.ArgumentTypeError, match="bias_absorption: must be true or"):

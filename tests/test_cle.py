@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
 from qtool.algorithms.channel_ranges import channel_ranges
@@ -116,17 +117,35 @@ def test_per_tensor_int8_error_drops_on_a_mismatched_depthwise_chain():
     assert error(equalized) < 0.1 * error(plain)
 
 
-def test_clip_and_other_activations_are_left_alone_with_the_reason():
-    """Without calibration data a Clip(0, 6) pair has no exact rescaling; Sigmoid never does."""
-    for middle, why in [("Clip", "needs calibration data"), ("Sigmoid", "not scale-equivariant")]:
-        model = _chain(middle)
-        before = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer}
-        entry = equalize(model, per_channel=False)
-        reasons = {(s["first"], s["second"]): s["why"] for s in entry["skipped"]}
-        assert why in reasons[("conv1", "dw")]
-        assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
-        after = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-        np.testing.assert_array_equal(after["w1"], before["w1"])  # the Clip pair's first layer
+@pytest.mark.parametrize(
+    ("middle", "through_clip", "why"),
+    [
+        ("Clip", True, "needs calibration data"),
+        ("Clip", False, "exact only on data like the calibration samples"),
+        ("Sigmoid", True, "not scale-equivariant"),
+    ],
+)
+def test_clip_and_other_activations_are_left_alone_with_the_reason(middle, through_clip, why):
+    """A Clip(0, 6) pair has no rescaling exact on every input: skipped unless the recipe asks
+    (and then it needs calibration data to bound the scales); Sigmoid is never equalized."""
+    model = _chain(middle)
+    before = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer}
+    x = _calibration()
+
+    def ranges(tensors: list[str]):
+        return channel_ranges(_chain(middle), tensors, [{"x": x}])
+
+    entry = equalize(
+        model,
+        per_channel=False,
+        ranges=None if through_clip else ranges,
+        through_clip=through_clip,
+    )
+    reasons = {(s["first"], s["second"]): s["why"] for s in entry["skipped"]}
+    assert why in reasons[("conv1", "dw")]
+    assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
+    after = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    np.testing.assert_array_equal(after["w1"], before["w1"])  # the Clip pair's first layer
 
 
 def _calibration() -> np.ndarray:
@@ -141,6 +160,7 @@ def _equalize_on_data(model: onnx.ModelProto, x: np.ndarray, per_channel: bool =
         model,
         per_channel=per_channel,
         ranges=lambda tensors: channel_ranges(reference, tensors, [{"x": x}]),
+        through_clip=True,
     )
 
 

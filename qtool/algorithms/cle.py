@@ -25,8 +25,9 @@ channels: exactly at m_i), later where s_i > 1. On other data that is not rare: 
 EfficientNet-Lite0 (8 calibration photographs, 8 other evaluation ones) the equalized float model
 agrees with the original on only 95% of the evaluation crops (20.3 dB logits SQNR), and a
 headroom (bound >= k m_i) does not close it (k = 2: 26.9 dB, k = 4: 31.4 dB; see
-examples/effnet_lite/README.md). The report gives, per pair, how many channels were clamped at
-m_i / hi and how many left at 1.
+examples/effnet_lite/README.md). So these pairs are equalized only when the recipe says
+`through_clip: true`; by default they are skipped with that reason. When they are, the report
+gives, per pair, how many channels were clamped at m_i / hi and how many left at 1.
 
 Other activations are not equivariant, Clip with a lower bound other than 0 neither, and a tensor
 read by more than one node cannot be rescaled for one reader alone; such pairs are left as they
@@ -280,6 +281,7 @@ def equalize(
     only: set[str] | None = None,
     ranges: RangesSource | None = None,
     bias_absorption: bool = False,
+    through_clip: bool = False,
 ) -> dict:
     """Equalize every eligible pair of `model` in place and return the report entry.
 
@@ -288,9 +290,20 @@ def equalize(
     `ranges(tensors)`: per-channel minima and maxima of those tensors on calibration data, for
     the pairs through Clip(0, hi) and for bias absorption; without it those pairs are skipped
     and nothing is absorbed (no exact rewrite is known without data). `bias_absorption`: after
-    equalizing, move what the activation allows from A's bias into B's (bias_absorption.py)."""
+    equalizing, move what the activation allows from A's bias into B's (bias_absorption.py).
+    `through_clip`: equalize the pairs through Clip(0, hi) too; they are exact only on inputs
+    whose channel maxima stay within the measured ones (module docstring), so by default they
+    are skipped with that reason."""
     convs = _convs(model)
     pairs, skipped = _find_pairs(model.graph, convs, only)
+    if not through_clip:
+        for pair in (p for p in pairs if p.bound is not None):
+            why = (
+                f"Clip(0, {pair.bound:g}) between: exact only on data like the calibration "
+                "samples (through_clip: true to equalize it anyway)"
+            )
+            skipped.append(_skip(*pair.key, why))
+        pairs = [p for p in pairs if p.bound is None]
     bounded = [p for p in pairs if p.bound is not None]
     wanted = {p.first.output[0] for p in bounded}
     if bias_absorption:
@@ -359,9 +372,7 @@ def equalize(
     for entry in applied:
         pair = next(p for p in pairs if p.key == (entry["first"], entry["second"]))
         if pair.bound is not None:
-            entry.update(
-                _bound_report(pair, limits[pair.key], scales[pair.key], measured.samples)
-            )
+            entry.update(_bound_report(pair, limits[pair.key], scales[pair.key], measured.samples))
         if bias_absorption:
             entry["bias_absorption"] = _absorb(pair, convs, measured, scales[pair.key])
     _write_back(model, convs, kept)
