@@ -435,9 +435,14 @@ def _quantizer(run: dict) -> str:
     return f"qtool {short_label(tuple(run['algorithms']))}"
 
 
-def table_columns(fp32: dict | None) -> tuple[tuple[str, str], ...]:
-    """(score key, format) of the score columns: accuracy ones with labels, cosine ones without."""
-    return _LABELLED if fp32 and fp32["labels"] else _UNLABELLED
+def table_columns(fp32: dict | None, example: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(score key, format) of the score columns: accuracy ones with labels, cosine ones without;
+    no top-1 agreement for a transformer (the argmax of an embedding is no prediction)."""
+    if fp32 and fp32["labels"]:
+        return _LABELLED
+    if KINDS.get(example or "") == "transformer":
+        return tuple(c for c in _UNLABELLED if c[0] != "agreement")
+    return _UNLABELLED
 
 
 def score_title(key: str) -> str:
@@ -462,7 +467,7 @@ def print_tables(console: Console, report: dict) -> None:
     for example, info in report["examples"].items():
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = table_columns(fp32)
+        columns = table_columns(fp32, example)
         t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
         t.add_column("method")
         t.add_column("quantizer")
@@ -556,7 +561,7 @@ def markdown_tables(report: dict) -> str:
     for example in report["examples"]:
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = table_columns(fp32)
+        columns = table_columns(fp32, example)
         big = bool(fp32 and fp32["size_bytes"] > 10e6)
         unit = "MB" if big else "kB"
         head = ["method", "quantizer", *(_md(score_title(k)) for k, _ in columns)]

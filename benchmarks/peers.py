@@ -386,7 +386,7 @@ def print_tables(console: Console, report: dict) -> None:
     for example, info in report["examples"].items():
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = table_columns(fp32)
+        columns = table_columns(fp32, example)
         t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
         for title in ("quantizer", "version", "settings"):
             t.add_column(title, overflow="fold")
