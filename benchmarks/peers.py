@@ -306,9 +306,9 @@ def run_peer(
         return run
     finally:
         result = folder / "runner.json"
-        if result.is_file():
-            info = json.loads(result.read_text())
-            run.update(settings=info.get("settings"), versions=info.get("versions"))
+        if result.is_file():  # a failed run's settings too; `info` keeps run_runner's peak
+            reported = json.loads(result.read_text())
+            run.update(settings=reported.get("settings"), versions=reported.get("versions"))
     run["fp32_sha256"] = _sha256(fp32)
     run["calibration_samples"] = info.get("calibration_samples")
     run["peak_rss_bytes"] = info.get("peak_rss_bytes")
