@@ -325,7 +325,37 @@ def run_qtool_set(
         _log_traceback(folder / "error.txt")
         return run
     run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
+    run["applied"] = algorithm_outcomes(Path(model).parent / "report.json")
     return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
+
+
+def algorithm_outcomes(report_path: Path) -> dict[str, bool]:
+    """Which of the run's algorithms changed the model, from its report.json: AdaRound and bias
+    correction keep their result only where it lowers the error on held-out calibration data
+    (`applied: false` otherwise), CLE applies when it keeps at least one pair. A row whose
+    algorithm was rejected is the `none` model again, and the table must say so."""
+    try:
+        algorithms = json.loads(report_path.read_text()).get("algorithms") or {}
+    except (OSError, ValueError):
+        return {}
+    outcomes = {}
+    for name, entry in algorithms.items():
+        if not isinstance(entry, dict):
+            continue
+        if "applied" in entry:
+            outcomes[name] = bool(entry["applied"])
+        elif name == "cross_layer_equalization":
+            outcomes[name] = bool(entry.get("pairs"))
+    return outcomes
+
+
+def _outcomes(run: dict) -> dict[str, bool]:
+    """The run's recorded outcomes, else (a JSON from before they were recorded) its report."""
+    if "applied" in run:
+        return run["applied"]
+    if run.get("quantizer") == "qtool" and run.get("model"):
+        return algorithm_outcomes(Path(run["model"]).parent / "report.json")
+    return {}
 
 
 def _finish(run: dict, fp32, model, seconds: tuple[float, float], recipe, args, folder) -> dict:
@@ -422,9 +452,15 @@ SHORT = {
 }
 
 
-def short_label(algorithms: tuple[str, ...]) -> str:
-    """`CLE + AdaRound + BC`, or `none`: the table's name for an algorithm set."""
-    return " + ".join(SHORT.get(a, a) for a in algorithms) if algorithms else "none"
+def short_label(algorithms: tuple[str, ...], applied: dict[str, bool] | None = None) -> str:
+    """`CLE + AdaRound + BC`, or `none`: the table's name for an algorithm set; an algorithm its
+    own check rejected (`applied` False) is marked `(rejected)`."""
+    if not algorithms:
+        return "none"
+    applied = applied or {}
+    return " + ".join(
+        SHORT.get(a, a) + (" (rejected)" if applied.get(a) is False else "") for a in algorithms
+    )
 
 
 def _quantizer(run: dict) -> str:
@@ -432,7 +468,7 @@ def _quantizer(run: dict) -> str:
         return run["label"]
     if run["quantizer"] == "ort":
         return "ORT quantize_static"
-    return f"qtool {short_label(tuple(run['algorithms']))}"
+    return f"qtool {short_label(tuple(run['algorithms']), _outcomes(run))}"
 
 
 def table_columns(fp32: dict | None, example: str | None = None) -> tuple[tuple[str, str], ...]:

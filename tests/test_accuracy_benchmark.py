@@ -4,6 +4,7 @@ mislabels rows of the README's tables, and a missing cap lets a peer take a shar
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,26 @@ def test_markdown_tables_keep_one_cell_per_score_and_name_the_cpu():
     assert "| minmax | qtool SmoothQuant | " in text and "0.99735 \\| 0.99735" in text
     assert "| 23.50 | 27.3 |" in text and "| 90.40 |" in text  # MB above 10 MB of FP32
     assert "n/a: smoothquant needs minmax ranges" in text
+
+
+def test_a_rejected_algorithm_is_named_so_in_the_table(tmp_path: Path):
+    report = {
+        "algorithms": {
+            "cross_layer_equalization": {"pairs": [{"first": "a", "second": "b"}]},
+            "adaround": {"applied": False, "reason": "raised the held-out error"},
+            "bias_correction": {"applied": True},
+        }
+    }
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    outcomes = accuracy.algorithm_outcomes(tmp_path / "report.json")
+    assert outcomes == {
+        "cross_layer_equalization": True,
+        "adaround": False,
+        "bias_correction": True,
+    }
+    assert accuracy.algorithm_outcomes(tmp_path / "missing.json") == {}
+    names = ("cross_layer_equalization", "adaround", "bias_correction")
+    assert accuracy.short_label(names, outcomes) == "CLE + AdaRound (rejected) + BC"
+    run = {"quantizer": "qtool", "algorithms": list(names), "model": str(tmp_path / "m.onnx")}
+    assert accuracy._quantizer(run) == "qtool CLE + AdaRound (rejected) + BC"  # read from report
+    assert accuracy._quantizer({**run, "applied": {}}) == "qtool CLE + AdaRound + BC"
