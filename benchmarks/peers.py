@@ -60,7 +60,12 @@ RUNNERS = REPO / "benchmarks" / "peer_runners"
 PEER_ROOT = REPO / "benchmarks" / ".peers"
 # A peer that needs torch gets this one first: the CPU wheel on local disk, never the CUDA build.
 TORCH_PIN = "torch==2.13.0"
-KINDS = {"digits": "cnn", "ocr_cls": "cnn", "minilm": "transformer"}
+KINDS = {"digits": "cnn", "ocr_cls": "cnn", "effnet_lite": "cnn", "minilm": "transformer"}
+# A peer whose resident memory passes this is killed and reported, not left to the kernel's OOM
+# killer on a machine shared with other jobs (ORT's percentile calibrator, which keeps every
+# activation of every batch, reached 19 GB on effnet_lite). Override with --max-rss-gb.
+MAX_RSS_GB = 12.0
+RSS_POLL_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,16 @@ QTOOL_RUNS = {
         QtoolRun("qtool recipe (minmax)", EXAMPLES["ocr_cls"]),
         QtoolRun("qtool minmax + bias_correction", EXAMPLES["ocr_cls"], None, ("bias_correction",)),
         QtoolRun("qtool entropy", EXAMPLES["ocr_cls"], "entropy", ()),
+    ),
+    # the recipe (minmax), and the best configuration measured in examples/effnet_lite/README.md
+    "effnet_lite": (
+        QtoolRun("qtool recipe (minmax)", EXAMPLES["effnet_lite"]),
+        QtoolRun(
+            "qtool mse + cross_layer_equalization",
+            EXAMPLES["effnet_lite"],
+            "mse",
+            ("cross_layer_equalization",),
+        ),
     ),
     "minilm": (
         QtoolRun("qtool recipe (minmax)", EXAMPLES["minilm"]),
@@ -160,10 +175,53 @@ def peer_python(peer: Peer, root: Path, timeout: float) -> Path:
     return python
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a live process (VmRSS), 0 once it is gone or unreadable."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    line = next((ln for ln in status.splitlines() if ln.startswith("VmRSS:")), None)
+    return int(line.split()[1]) * 1024 if line else 0
+
+
+def wait_capped(
+    process: subprocess.Popen, timeout: float, max_rss: float, poll: float = RSS_POLL_S
+) -> int:
+    """Wait for `process`, killing it past `timeout` seconds or `max_rss` bytes of resident
+    memory; returns the peak RSS seen. Polling (not RLIMIT_AS) because torch and ORT reserve far
+    more address space than they touch, so an address-space limit would fail healthy runs."""
+    deadline = time.monotonic() + timeout
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, rss_bytes(process.pid))
+        if peak > max_rss:
+            process.kill()
+            process.wait()
+            raise RuntimeError(
+                f"killed at {peak / 2**30:.1f} GB resident memory (cap {max_rss / 2**30:.1f} GB)"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise RuntimeError(f"timed out after {timeout:.0f} s")
+        time.sleep(poll)
+    return peak
+
+
 def run_runner(
-    peer: Peer, python: Path, fp32: Path, data: Path, folder: Path, kind: str, timeout: float
+    peer: Peer,
+    python: Path,
+    fp32: Path,
+    data: Path,
+    folder: Path,
+    kind: str,
+    timeout: float,
+    max_rss: float = MAX_RSS_GB * 2**30,
 ) -> tuple[Path, dict, float]:
-    """Run the peer's runner as a subprocess: (quantized model, its result JSON, wall seconds)."""
+    """Run the peer's runner as a subprocess: (quantized model, its result JSON, wall seconds).
+
+    The result JSON gets `peak_rss_bytes` (sampled every RSS_POLL_S from outside)."""
     out, result = folder / "model.quant.onnx", folder / "runner.json"
     command = [str(python), str(peer.runner), "--model", str(fp32), "--data", str(data)]
     command += ["--out", str(out), "--kind", kind, "--result", str(result)]
@@ -171,16 +229,15 @@ def run_runner(
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     wall = time.perf_counter()
     with open(folder / "runner.log", "w") as log:
-        try:
-            subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=folder
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"timed out after {timeout:.0f} s") from exc
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder
+        )
+        peak = wait_capped(process, timeout, max_rss)
     wall = time.perf_counter() - wall
     if not result.is_file():
         raise RuntimeError(f"runner died: {_last_line((folder / 'runner.log').read_text())}")
     info = json.loads(result.read_text())
+    info["peak_rss_bytes"] = peak
     if info.get("status") != "ok":
         raise RuntimeError(info.get("status", "failed").removeprefix("failed: "))
     return out, info, wall
@@ -241,17 +298,20 @@ def run_peer(
         run["status"] = f"install failed: {exc}"[:300]
         return run
     try:
-        model, info, wall = run_runner(peer, python, fp32, data, folder, kind, args.timeout)
+        model, info, wall = run_runner(
+            peer, python, fp32, data, folder, kind, args.timeout, args.max_rss_gb * 2**30
+        )
     except RuntimeError as exc:
         run["status"] = f"failed: {exc}"[:300]
         return run
     finally:
         result = folder / "runner.json"
-        if result.is_file():
-            info = json.loads(result.read_text())
-            run.update(settings=info.get("settings"), versions=info.get("versions"))
+        if result.is_file():  # a failed run's settings too; `info` keeps run_runner's peak
+            reported = json.loads(result.read_text())
+            run.update(settings=reported.get("settings"), versions=reported.get("versions"))
     run["fp32_sha256"] = _sha256(fp32)
     run["calibration_samples"] = info.get("calibration_samples")
+    run["peak_rss_bytes"] = info.get("peak_rss_bytes")
     return _finish(run, fp32, model, (wall, info["cpu_s"]), recipe, args, folder)
 
 
@@ -326,7 +386,7 @@ def print_tables(console: Console, report: dict) -> None:
     for example, info in report["examples"].items():
         runs = [r for r in report["runs"] if r["example"] == example]
         fp32 = next((r["fp32"] for r in runs if "fp32" in r), None)
-        columns = table_columns(fp32)
+        columns = table_columns(fp32, example)
         t = Table(title=f"{example}: fused (ORT_ENABLE_ALL) | unfused (ORT_DISABLE_ALL) vs FP32")
         for title in ("quantizer", "version", "settings"):
             t.add_column(title, overflow="fold")
@@ -378,6 +438,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="qtool rows: every variant of the example, or only the first (the recipe as is)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per peer run")
+    p.add_argument(
+        "--max-rss-gb",
+        type=float,
+        default=MAX_RSS_GB,
+        help="kill a peer run past this much resident memory (GB) and report it",
+    )
     p.add_argument("--install-timeout", type=float, default=1800.0, help="seconds per pip step")
     p.add_argument("--peer-root", type=Path, default=PEER_ROOT, help="the peers' venvs")
     p.add_argument("--latency-runs", type=int, default=3, help="per evaluation (not the point)")
@@ -387,19 +453,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _cpu_flags() -> list[str]:
-    """The int8 kernels ORT picks depend on these (fused results differ with and without VNNI)."""
-    try:
-        flags = next(
-            ln.split(":", 1)[1].split()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in set(flags) if f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni"))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
@@ -407,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         console.width = 200  # piped into a log: do not wrap the tables
     work = args.work.resolve()
     report: dict = {
-        "versions": {**versions(), "cpu_flags": _cpu_flags()},
+        "versions": versions(),
         "settings": {
             "examples": args.examples,
             "peers": args.peers,

@@ -84,6 +84,7 @@ def test_digits_against_the_ort_stand_in(tmp_path: Path, capsys):
     assert ort_run["settings"]["calibration"] == "MinMax"
     assert peers.version_text(ort_run)  # onnxruntime or onnxruntime-gpu
     assert ort_run["quantize_cpu_s"] > 0 and ort_run["size_bytes"] > 0
+    assert ort_run["peak_rss_bytes"] > 10 * 2**20  # sampled from outside while it ran
     for run in (qtool_run, ort_run):
         for variant in ("fused", "unfused"):
             assert run["scores"][variant]["accuracy"] > 0.9
