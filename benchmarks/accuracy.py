@@ -39,7 +39,7 @@ from benchmarks.calibration import machine_info, save_json
 from qtool.data import Batch, iter_batches
 from qtool.errors import RecipeError
 from qtool.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
-from qtool.pipeline import quantize
+from qtool.pipeline import prepare, quantize
 from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS, Recipe, load_recipe, read_algorithms
 
 REPO = Path(__file__).resolve().parent.parent
@@ -305,13 +305,49 @@ def _scores(result: EvalResult) -> dict:
     }
 
 
-def evaluate_run(run: dict, fp32: Path, model: Path, recipe: Recipe, args, folder: Path) -> dict:
-    """Evaluate one quantized model into `run` (a failure becomes its status, not an exception)."""
+def original_float_model(recipe: Recipe, path: Path) -> Path:
+    """qtool's prepared float model of `recipe` with no algorithm, written to `path`: what every
+    run of an example is scored against and ORT starts from. A run's own `model.fp32.onnx` is
+    the float model after its algorithms, and CLE through Clip(0, 6) changes the float function
+    on data other than the calibration samples (examples/effnet_lite/README.md), so scoring
+    against it would credit the quantizer with the float model's own departure."""
+    prepared = prepare(with_algorithms(recipe, ()))
+    if prepared.serialized is None:
+        raise RuntimeError(f"{recipe.path}: the float model is over 2 GB; not supported here")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(prepared.serialized)
+    return path
+
+
+def score_against(run: dict, own_fp32: Path, original: Path | None) -> tuple[Path, bool]:
+    """The float model a qtool run is scored against (the original when given) and whether
+    that is not the one the run wrote (its provenance check must then allow it); recorded."""
+    run["fp32_sha256"] = hashlib.sha256(Path(own_fp32).read_bytes()).hexdigest()
+    if original is None:
+        return own_fp32, False
+    changed = hashlib.sha256(original.read_bytes()).hexdigest() != run["fp32_sha256"]
+    run["own_fp32_model"] = str(own_fp32)
+    run["float_model_changed"] = changed  # by the algorithms: scored against the original
+    return original, changed
+
+
+def evaluate_run(
+    run: dict,
+    fp32: Path,
+    model: Path,
+    recipe: Recipe,
+    args,
+    folder: Path,
+    foreign_fp32: bool = False,
+) -> dict:
+    """Evaluate one quantized model into `run` (a failure becomes its status, not an exception).
+    `foreign_fp32`: `fp32` is not the float model `model` was made from (score_against)."""
     try:
         result = evaluate_models(
             fp32,
             model,
             evaluation_pairs(recipe),
+            allow_foreign_fp32=foreign_fp32,
             threads=args.threads,
             latency_runs=args.latency_runs,
             progress=False,
@@ -333,10 +369,16 @@ def evaluate_run(run: dict, fp32: Path, model: Path, recipe: Recipe, args, folde
 
 
 def run_qtool_set(
-    example: str, method: str, algorithms: tuple[str, ...], base: Recipe, work: Path, args
+    example: str,
+    method: str,
+    algorithms: tuple[str, ...],
+    base: Recipe,
+    work: Path,
+    args,
+    original: Path | None = None,
 ) -> dict:
-    """qtool with one range method and one algorithm set, evaluated against its own float model
-    (the `model.fp32.onnx` it wrote: the float function the quantized model must reproduce)."""
+    """qtool with one range method and one algorithm set, evaluated against `original` (the
+    float model without algorithms; None: the `model.fp32.onnx` the run wrote)."""
     run: dict = {
         "example": example,
         "method": method,
@@ -356,9 +398,9 @@ def run_qtool_set(
         run["status"] = _failure(exc)
         _log_traceback(folder / "error.txt")
         return run
-    run["fp32_sha256"] = hashlib.sha256(Path(fp32).read_bytes()).hexdigest()
+    scored, foreign = score_against(run, fp32, original)
     run["applied"] = algorithm_outcomes(Path(model).parent / "report.json")
-    return _finish(run, fp32, model, (wall, cpu), recipe, args, folder)
+    return _finish(run, scored, model, (wall, cpu), recipe, args, folder, foreign)
 
 
 def algorithm_outcomes(report_path: Path) -> dict[str, bool]:
@@ -390,12 +432,22 @@ def _outcomes(run: dict) -> dict[str, bool]:
     return {}
 
 
-def _finish(run: dict, fp32, model, seconds: tuple[float, float], recipe, args, folder) -> dict:
-    """A quantizer that succeeded: its files and times recorded, then its model evaluated."""
+def _finish(
+    run: dict,
+    fp32,
+    model,
+    seconds: tuple[float, float],
+    recipe,
+    args,
+    folder,
+    foreign_fp32: bool = False,
+) -> dict:
+    """A quantizer that succeeded: its files and times recorded, then its model evaluated
+    against `fp32` (`foreign_fp32`: not the float model it was made from, see score_against)."""
     wall, cpu = seconds
     run.update(status="ok", model=str(model), fp32_model=str(fp32), quantize_s=wall)
     run["quantize_cpu_s"] = cpu
-    return evaluate_run(run, fp32, model, recipe, args, folder)
+    return evaluate_run(run, fp32, model, recipe, args, folder, foreign_fp32)
 
 
 def run_ort_method(
@@ -436,21 +488,21 @@ def algorithm_sets(example: str, args) -> list[tuple[str, ...]]:
 
 
 def run_example(example: str, base: Recipe, batch_size: int, work: Path, args, record) -> None:
-    """Every method x (ORT, qtool x each algorithm set) on one example; `record(run)` each."""
+    """Every method x (ORT, qtool x each algorithm set) on one example; `record(run)` each,
+    all scored against the float model without algorithms (original_float_model)."""
+    original: Path | None = None
     for method in args.methods:
         calibration = dataclasses.replace(
             base.calibration, method=method, percentile=PERCENTILE, batch_size=batch_size
         )
         recipe = dataclasses.replace(base, calibration=calibration)
-        reference: Path | None = None
+        if original is None:  # the method does not change the float model: made once
+            original = original_float_model(recipe, work / example / "original.fp32.onnx")
         for algorithms in algorithm_sets(example, args):
             if "qtool" in args.quantizers:
-                run = run_qtool_set(example, method, algorithms, recipe, work, args)
-                record(run)
-                if reference is None and run.get("fp32_model"):
-                    reference = Path(run["fp32_model"])
+                record(run_qtool_set(example, method, algorithms, recipe, work, args, original))
         if "ort" in args.quantizers:
-            record(run_ort_method(example, method, reference, recipe, work, args))
+            record(run_ort_method(example, method, original, recipe, work, args))
 
 
 # --------------------------------------------------------------------------- output

@@ -43,6 +43,7 @@ from benchmarks.accuracy import (
     calibration_batches,
     example_info,
     run_qtool,
+    score_against,
     score_cells,
     score_title,
     table_columns,
@@ -114,15 +115,11 @@ QTOOL_RUNS = {
         QtoolRun("qtool minmax + bias_correction", EXAMPLES["ocr_cls"], None, ("bias_correction",)),
         QtoolRun("qtool entropy", EXAMPLES["ocr_cls"], "entropy", ()),
     ),
-    # the recipe (minmax), and the best configuration measured in examples/effnet_lite/README.md
+    # the recipe (minmax), and the best configuration measured against the original float model
+    # (README, "Accuracy algorithms on real models"; ~260 CPU s)
     "effnet_lite": (
         QtoolRun("qtool recipe (minmax)", EXAMPLES["effnet_lite"]),
-        QtoolRun(
-            "qtool mse + cross_layer_equalization",
-            EXAMPLES["effnet_lite"],
-            "mse",
-            ("cross_layer_equalization",),
-        ),
+        QtoolRun("qtool mse + adaround", EXAMPLES["effnet_lite"], "mse", ("adaround",)),
     ),
     "minilm": (
         QtoolRun("qtool recipe (minmax)", EXAMPLES["minilm"]),
@@ -251,9 +248,15 @@ def _sha256(path: Path) -> str:
 
 
 def run_qtool_variant(
-    example: str, spec: QtoolRun, batch_size: int, work: Path, args
+    example: str,
+    spec: QtoolRun,
+    batch_size: int,
+    work: Path,
+    args,
+    original: Path | None = None,
 ) -> tuple[dict, Recipe | None]:
-    """qtool in-process with one QtoolRun, evaluated against the float model it wrote."""
+    """qtool in-process with one QtoolRun, evaluated against `original` (the first row's float
+    model, which every peer starts from; None: the float model this run wrote)."""
     folder = work / example / spec.label.replace(" ", "_").replace("+", "p")
     shutil.rmtree(folder, ignore_errors=True)
     run: dict = {"example": example, "quantizer": "qtool", "label": spec.label}
@@ -279,8 +282,8 @@ def run_qtool_variant(
         run["status"] = _failure(exc)
         _log_traceback(folder / "error.txt")
         return run, None
-    run["fp32_sha256"] = _sha256(fp32)
-    return _finish(run, fp32, model, (wall, cpu), recipe, args, folder), recipe
+    scored, foreign = score_against(run, fp32, original)
+    return _finish(run, scored, model, (wall, cpu), recipe, args, folder, foreign), recipe
 
 
 def run_peer(
@@ -325,7 +328,7 @@ def run_example(example: str, work: Path, args, record) -> dict:
     for spec in QTOOL_RUNS[example]:
         if args.qtool == "first" and fp32 is not None:
             break
-        run, recipe = run_qtool_variant(example, spec, info["batch_size"], work, args)
+        run, recipe = run_qtool_variant(example, spec, info["batch_size"], work, args, fp32)
         record(run)
         if fp32 is None and run.get("status") == "ok" and recipe is not None:
             fp32, reference = Path(run["fp32_model"]), recipe

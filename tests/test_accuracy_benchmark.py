@@ -135,3 +135,21 @@ def test_a_rejected_algorithm_is_named_so_in_the_table(tmp_path: Path):
     run = {"quantizer": "qtool", "algorithms": list(names), "model": str(tmp_path / "m.onnx")}
     assert accuracy._quantizer(run) == "qtool CLE + AdaRound (rejected) + BC"  # read from report
     assert accuracy._quantizer({**run, "applied": {}}) == "qtool CLE + AdaRound + BC"
+
+
+def test_runs_are_scored_against_the_float_model_without_algorithms(tmp_path: Path):
+    """A run whose algorithms changed the float model (CLE) is scored against the original,
+    and says so; one whose float model is the original is scored as it is."""
+    from qtool.recipe import load_recipe
+
+    recipe = load_recipe(accuracy.EXAMPLES["digits"], output_dir=tmp_path / "out")
+    original = accuracy.original_float_model(recipe, tmp_path / "original.fp32.onnx")
+    same, changed = tmp_path / "same.onnx", tmp_path / "changed.onnx"
+    same.write_bytes(original.read_bytes())
+    changed.write_bytes(original.read_bytes() + b"\x00")  # any other bytes
+    run: dict = {}
+    assert accuracy.score_against(run, same, original) == (original, False)
+    assert run["float_model_changed"] is False
+    assert accuracy.score_against(run, changed, original) == (original, True)
+    assert run["float_model_changed"] is True and run["own_fp32_model"] == str(changed)
+    assert accuracy.score_against({}, changed, None) == (changed, False)
