@@ -553,7 +553,10 @@ def _quantize(
     finally:
         if staged is not None:
             staged.discard()
-    return QuantizeResult(model_path, recipe.report_path, report, verification.warnings)
+    warnings = list(verification.warnings)
+    if prepared.equalization is not None and "warning" in prepared.equalization:
+        warnings.append(prepared.equalization["warning"])
+    return QuantizeResult(model_path, recipe.report_path, report, warnings)
 
 
 def stamp_provenance(

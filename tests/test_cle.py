@@ -143,6 +143,7 @@ def test_clip_and_other_activations_are_left_alone_with_the_reason(middle, throu
     )
     reasons = {(s["first"], s["second"]): s["why"] for s in entry["skipped"]}
     assert why in reasons[("conv1", "dw")]
+    assert "warning" not in entry  # nothing was equalized through the Clip
     assert ("conv1", "dw") not in [(p["first"], p["second"]) for p in entry["pairs"]]
     after = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     np.testing.assert_array_equal(after["w1"], before["w1"])  # the Clip pair's first layer
@@ -174,6 +175,7 @@ def test_relu6_pair_is_exact_on_the_calibration_data_and_clipping_channels_keep_
     entry = _equalize_on_data(model, x)
     pair = next(p for p in entry["pairs"] if (p["first"], p["second"]) == ("conv1", "dw"))
     assert pair["activation"] == "Clip" and pair["clip_bound"] == 6.0
+    assert "1 pair(s) through Clip" in entry["warning"] and "model.fp32.onnx" in entry["warning"]
     assert pair["channels"] == CHANNELS and pair["maxima_samples"] == len(x)
     assert pair["channels_left_unscaled"] == int(reaching.sum())
     assert pair["channels_clamped"] >= 1  # a narrow channel wanted more than 6 / max allows

@@ -376,12 +376,25 @@ def equalize(
         if bias_absorption:
             entry["bias_absorption"] = _absorb(pair, convs, measured, scales[pair.key])
     _write_back(model, convs, kept)
-    return {
+    entry = {
         "per_channel_weights": per_channel,
         "bias_absorption": bias_absorption,
+        "through_clip": through_clip,
         "pairs": applied,
         "skipped": skipped,
     }
+    through = sum(1 for e in applied if "clip_bound" in e)
+    if through:
+        entry["warning"] = THROUGH_CLIP_WARNING.format(pairs=through)
+    return entry
+
+
+# What a user who turned through_clip on must know when reading evaluate's numbers.
+THROUGH_CLIP_WARNING = (
+    "cross-layer equalization rescaled {pairs} pair(s) through Clip: the float model written "
+    "(model.fp32.onnx, which qtool evaluate compares against) equals yours only on data like "
+    "the calibration samples; evaluate against your original float model too"
+)
 
 
 def _absorb(
