@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from qtool.runtime.fusion import (
     fusion_truth,
     optimized_session,
 )
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 # Fused outputs this far below the unfused QDQ semantics mean the integer kernels do something
 # the QDQ graph does not say (saturation, or a fusion that changes the arithmetic).
@@ -88,13 +92,14 @@ FASTER_MARGIN = 1.05
 
 def low_bit_speed(
     float_model: bytes | Path,
-    quantized: bytes | Path,
+    quantized: onnxruntime.InferenceSession,
     feed: dict[str, np.ndarray],
     cpu,
     threads: int,
 ) -> dict:
-    """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1."""
-    sessions = [create_session(m, threads=threads) for m in (float_model, quantized)]
+    """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1,
+    with `quantized`: the verify stage's own session of it (the same settings, `threads`)."""
+    sessions = [create_session(float_model, threads=threads), quantized]
     single, _ = latency_feed(feed, [i.shape for i in sessions[0].get_inputs()])
     (fp32_ms, _), (quant_ms, _) = measure_latency(sessions, single, SPEED_RUNS)
     speedup = fp32_ms / quant_ms if quant_ms > 0 else float("inf")
@@ -163,7 +168,9 @@ def verify(
         n.weight is not None and (n.precision == "int4" or n.activations == "float")
         for n in plan.quantized()
     ):
-        summary["low_bit_speed"] = low_bit_speed(float_model, quantized, feeds[0], here, threads)
+        summary["low_bit_speed"] = low_bit_speed(
+            float_model, loaded.session, feeds[0], here, threads
+        )
     if here.u8s8_saturates != target_cpu.u8s8_saturates:
         warnings.append(
             f"verified on this machine ({here.describe()}), but the model was quantized for "
