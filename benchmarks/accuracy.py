@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -771,6 +771,25 @@ def example_info(example: str, base: Recipe) -> dict:
     }
 
 
+class RunLog:
+    """`record(run)` for a benchmark's runs: each is appended to `report` and the JSON saved at
+    once (a benchmark stopped halfway keeps what it measured), with one log line named by
+    `label(run)`. `failed`: some run neither succeeded nor was n/a (not applicable)."""
+
+    def __init__(
+        self, report: dict, path: Path, console: Console, label: Callable[[dict], str]
+    ) -> None:
+        self.report, self.path, self.console, self.label = report, path, console, label
+        self.failed = False
+
+    def __call__(self, run: dict) -> None:
+        self.report["runs"].append(run)
+        self.failed |= run["status"] != "ok" and not run["status"].startswith("n/a")
+        save_json(self.report, self.path)
+        timing = f" ({run['quantize_s']:.1f} s)" if "quantize_s" in run else ""
+        self.console.log(escape(f"{self.label(run)}: {run['status']}{timing}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
@@ -805,17 +824,10 @@ def main(argv: list[str] | None = None) -> int:
         "examples": {},
         "runs": [],
     }
+    record = RunLog(
+        report, args.json, console, lambda r: f"{r['example']} {r['method']} {_quantizer(r)}"
+    )
     failed = False
-
-    def record(run: dict) -> None:
-        nonlocal failed
-        report["runs"].append(run)
-        failed |= run["status"] != "ok" and not run["status"].startswith("n/a")
-        save_json(report, args.json)
-        timing = f" ({run['quantize_s']:.1f} s)" if "quantize_s" in run else ""
-        console.log(
-            escape(f"{run['example']} {run['method']} {_quantizer(run)}: {run['status']}{timing}")
-        )
 
     for example in args.examples:
         try:
@@ -833,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     report["examples"] = {k: v for k, v in report["examples"].items() if "status" not in v}
     print_tables(console, report)
     console.print(f"JSON: {args.json}")
-    return 1 if failed else 0
+    return 1 if failed or record.failed else 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from rich.table import Table
 import qtool
 from benchmarks.accuracy import (
     EXAMPLES,
+    RunLog,
     _csv,
     _failure,
     _finish,
@@ -480,15 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         "examples": {},
         "runs": [],
     }
+    # peer runs are ok or failed, never n/a: RunLog's rule is theirs
+    record = RunLog(report, args.json, console, lambda r: f"{r['example']} {r['label']}")
     failed = False
-
-    def record(run: dict) -> None:
-        nonlocal failed
-        report["runs"].append(run)
-        failed |= run["status"] != "ok"
-        save_json(report, args.json)
-        timing = f" ({run['quantize_s']:.1f} s)" if "quantize_s" in run else ""
-        console.log(f"{run['example']} {run['label']}: {run['status']}{timing}", markup=False)
 
     for example in args.examples:
         try:
@@ -503,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = {k: v for k, v in report["examples"].items() if "status" not in v}
     print_tables(console, {**report, "examples": shown})
     console.print(f"JSON: {args.json}")
-    return 1 if failed else 0
+    return 1 if failed or record.failed else 0
 
 
 if __name__ == "__main__":
