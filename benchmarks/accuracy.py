@@ -5,7 +5,7 @@ this one answers the other question a user has: on a real trained model with rea
 qtool's quantized model stay as close to FP32 as ONNX Runtime's own quantizer does? Both tools
 start from the same float graph (the `model.fp32.onnx` qtool writes), see the same calibration
 batches and are judged on the same held-out evaluation set by the same code
-(`qtool.evaluate.evaluate_models`), fused (ORT_ENABLE_ALL, what deploys) and unfused
+(`qtool.metrics.evaluate.evaluate_models`), fused (ORT_ENABLE_ALL, what deploys) and unfused
 (ORT_DISABLE_ALL, the QDQ semantics). qtool runs once per method and algorithm set (by default
 the sets meant for the model's kind: CNNs none, each CNN algorithm alone and all together;
 transformers none and SmoothQuant), ORT once per method. `minilm_tables` is MiniLM through
@@ -36,11 +36,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json
-from qtool.data import Batch, iter_batches
+from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS
+from qtool.app.pipeline import prepare, quantize
+from qtool.config.recipe import Recipe, load_recipe, read_algorithms
+from qtool.data.batches import Batch, iter_batches
 from qtool.errors import RecipeError
-from qtool.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
-from qtool.pipeline import prepare, quantize
-from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS, Recipe, load_recipe, read_algorithms
+from qtool.metrics.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -813,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
             "percentile": PERCENTILE,
             "latency_runs": args.latency_runs,
             "threads": args.threads,
-            "qtool": "qtool.pipeline.quantize(recipe with calibration.method and "
+            "qtool": "qtool.app.pipeline.quantize(recipe with calibration.method and "
             "quantization.algorithms replaced; algorithms at their documented defaults)",
             "ort": "quant_pre_process(qtool's model.fp32.onnx) + quantize_static(QDQ, QUInt8 "
             "activations, QInt8 per-channel weights, the recipe's op types, CalibPercentile "

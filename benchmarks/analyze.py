@@ -34,11 +34,11 @@ from rich.table import Table
 
 from benchmarks.calibration import machine_info, write_calibration_data, write_recipe
 from benchmarks.models import build_cnn, calibration_inputs
-from qtool.evaluate import measure_latency
-from qtool.mixed.auto import search_stage
-from qtool.ort_session import create_session
-from qtool.pipeline import prepare
-from qtool.recipe import Recipe, load_recipe
+from qtool.app.pipeline import prepare
+from qtool.config.recipe import Recipe, load_recipe
+from qtool.metrics.evaluate import measure_latency
+from qtool.runtime.sessions import create_session
+from qtool.search.mixed import search_stage
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("digits", "cnn", "minilm")
@@ -67,7 +67,7 @@ def _recipe(name: str, work: Path, objective: str = "size") -> Recipe:
 
 
 def _feed(recipe: Recipe) -> dict[str, np.ndarray]:
-    from qtool.data import iter_batches
+    from qtool.data.batches import iter_batches
 
     spec = recipe.evaluation
     batch = next(iter(iter_batches(spec.data, recipe.inputs, 1, 1, recipe.seed)))

@@ -157,9 +157,9 @@ def run_qtool(
 def write_floor_models(model: BenchModel, data: Path, work: Path) -> dict:
     """qtool's prepared float model as is and with the tensors qtool observes as extra outputs:
     what the floor runs, so both sides run the very same graph."""
+    from qtool.app.pipeline import prepare
     from qtool.calibration.collect import save_with_extra_outputs
-    from qtool.pipeline import prepare
-    from qtool.recipe import load_recipe
+    from qtool.config.recipe import load_recipe
 
     out = work / model.name / "floor"
     recipe = write_recipe(model, data, "entropy", out)

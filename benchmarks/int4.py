@@ -9,7 +9,8 @@ benchmark encoder of calibration.py), all from the same FP32 graph (the `model.f
   `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer` with its default
   (round-to-nearest) config, HQQ, and GPTQ;
 - columns: output cosine (and SQNR) to FP32 on the evaluation rows, computed as `qtool evaluate`
-  computes it (qtool.evaluate's accumulator); file size; quantize wall time, CPU seconds and peak
+  computes it (qtool.metrics.evaluate's accumulator); file size; quantize wall time, CPU seconds
+  and peak
   RSS (each quantizer in its own process, benchmarks/_measure.run_measured); the MatMulNBits
   accuracy level ORT actually runs; latency at batch 1 and 8, one thread and ORT's default
   threads (median, interleaved rounds, the same session options for every model).
@@ -142,7 +143,7 @@ class Source:
     calibration / evaluation samples as .npz (the ORT and measuring children read those)."""
 
     name: str
-    recipe: object  # qtool.recipe.Recipe (imported lazily)
+    recipe: object  # qtool.config.recipe.Recipe (imported lazily)
     fp32: Path
     calibration_npz: Path
     evaluation_npz: Path
@@ -153,7 +154,7 @@ class Source:
 def _int4_spec(recipe):
     """The recipe's quantization with INT4 block-32 weights on MatMul/Gemm/Gather: prepare()
     then upgrades the graph to opset 21, as every INT4 `qtool quantize` run does."""
-    from qtool.recipe import WeightSettings
+    from qtool.plan.settings import WeightSettings
 
     return dataclasses.replace(
         recipe.quantization,
@@ -176,9 +177,9 @@ def _save_npz(path: Path, batches: list[dict], limit: int | None = None) -> int:
 def make_source(name: str, work: Path, eval_limit: int | None) -> Source:
     """Export (MiniLM: PyTorch; encoder: calibration.py's ONNX) and prepare the FP32 graph once,
     and write the samples every side reads."""
-    from qtool.data import iter_batches
-    from qtool.pipeline import prepare
-    from qtool.recipe import load_recipe
+    from qtool.app.pipeline import prepare
+    from qtool.config.recipe import load_recipe
+    from qtool.data.batches import iter_batches
 
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -383,9 +384,9 @@ def _measure(args: argparse.Namespace) -> None:
     """
     import numpy as np
 
-    from qtool.evaluate import _Fidelity
-    from qtool.ort_session import create_session
+    from qtool.metrics.evaluate import _Fidelity
     from qtool.runtime.fusion import optimized_graph
+    from qtool.runtime.sessions import create_session
 
     spec = json.loads(Path(args.spec).read_text())
     with np.load(spec["evaluation"]) as data:

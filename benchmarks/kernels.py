@@ -178,7 +178,7 @@ def bench_block_search(
     shape: tuple[int, int], block: int, repeats: int, thread_counts: list[int]
 ) -> list[dict]:
     """Rows: the numpy reference, then the kernel per (instruction set, threads), CUDA last."""
-    from qtool.quantize import int4
+    from qtool.write import int4
 
     grid = int4._check_grid("mse", int4.DEFAULT_MSE_GRID)
     rng = np.random.default_rng(0)

@@ -3,7 +3,8 @@
 accuracy.py compares qtool with ONNX Runtime's quantize_static; this one adds the other PTQ tools
 a user could pick instead. Every tool starts from the same float graph (the `model.fp32.onnx`
 qtool writes for the example), calibrates on the same batches (qtool's reader, saved as one
-.npz) and is judged on the same evaluation set by the same code (`qtool.evaluate.evaluate_models`,
+.npz) and is judged on the same evaluation set by the same code
+(`qtool.metrics.evaluate.evaluate_models`,
 fused ORT_ENABLE_ALL and unfused ORT_DISABLE_ALL) in this interpreter. Each peer runs in its own
 virtual environment under benchmarks/.peers/<name>/ (they pin other onnx/onnxruntime versions;
 none is a qtool dependency), created and filled with pip on first use, through a small runner
@@ -54,7 +55,7 @@ from benchmarks.accuracy import (
 )
 from benchmarks.calibration import save_json
 from benchmarks.peer_runners._handoff import save_batches
-from qtool.recipe import Recipe, load_recipe
+from qtool.config.recipe import Recipe, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

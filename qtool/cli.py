@@ -151,9 +151,9 @@ def calibrate(
     writes the files, the same bytes one process writes.
     """
     from qtool import distributed
-    from qtool.pipeline import calibrate as run_calibrate
-    from qtool.pipeline import prepare
-    from qtool.recipe import load_recipe
+    from qtool.app.pipeline import calibrate as run_calibrate
+    from qtool.app.pipeline import prepare
+    from qtool.config.recipe import load_recipe
 
     part = None if shard is None else distributed.Shard.parse(shard)
     loaded = load_recipe(recipe, output_dir)
@@ -233,8 +233,8 @@ def quantize(
     ] = False,
 ) -> None:
     """Compute ranges, write the QDQ model and report.json; calibrates first without --stats."""
-    from qtool.pipeline import quantize as run_quantize
-    from qtool.recipe import load_recipe
+    from qtool.app.pipeline import quantize as run_quantize
+    from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
     with _phase_display(progress):
@@ -267,7 +267,7 @@ def quantize(
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
     mixed = result.report.get("mixed_precision")
     if mixed is not None:
-        from qtool.mixed.report import summary_table
+        from qtool.search.mixed_report import summary_table
 
         console.print(summary_table(mixed))
         console.print(f"plan   -> {mixed['files']['plan']}", highlight=False)
@@ -298,8 +298,8 @@ def qat(
     processes); rank 0 writes the checkpoints, the model and report.json.
     """
     from qtool import distributed
-    from qtool.qat.command import run_qat
-    from qtool.recipe import load_recipe
+    from qtool.app.qat import run_qat
+    from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
     try:
@@ -422,12 +422,12 @@ def evaluate(
     gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
     nothing there.
     """
+    from qtool.app.pipeline import evaluate as run_evaluate
     from qtool.errors import RecipeError
-    from qtool.evaluate import low_bit_notes, render_table
-    from qtool.gates import Gates, judge_gates, junit_xml
     from qtool.io import atomic_write_bytes, atomic_write_text
-    from qtool.pipeline import evaluate as run_evaluate
-    from qtool.recipe import GATE_METRICS, gate_problem
+    from qtool.metrics.evaluate import low_bit_notes, render_table
+    from qtool.metrics.gates import Gates, judge_gates, junit_xml
+    from qtool.metrics.spec import GATE_METRICS, gate_problem
 
     flags = {"max_drop": max_drop, "min_cosine": min_cosine, "min_sqnr": min_sqnr}
     for key, value in flags.items():
@@ -505,9 +505,9 @@ def _accuracy_source(where: str) -> str:
 
 def _recipe_evaluation(recipe: Path, output_dir: Path | None):
     """The recipe's float and quantized model paths, its evaluation batches and gate settings."""
-    from qtool.data import iter_batches
+    from qtool.config.recipe import load_recipe
+    from qtool.data.batches import iter_batches
     from qtool.errors import RecipeError
-    from qtool.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
     if loaded.evaluation is None:
@@ -539,9 +539,9 @@ def _npz_batches(model_path: Path, data: Path, batch_size: int):
     """
     import onnx
 
-    from qtool.data import iter_batches
+    from qtool.data.batches import iter_batches
+    from qtool.data.spec import DataSpec, InputSpec
     from qtool.errors import DataError, ModelError
-    from qtool.recipe import DataSpec, InputSpec
 
     if not model_path.is_file():
         raise ModelError(f"{model_path}: model file not found")
@@ -609,8 +609,8 @@ def analyze(
 ) -> None:
     """Measure each quantized node's sensitivity: quantized alone, kept float alone, and its
     SQNR layer by layer; writes sensitivity.json, plan.yaml and a plot."""
-    from qtool.analyze.command import run
-    from qtool.recipe import load_recipe
+    from qtool.app.analyze import run
+    from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
     with _phase_display(progress):
@@ -635,8 +635,8 @@ def doctor() -> None:
     import onnxruntime
 
     from qtool import kernels
-    from qtool.ort_session import provider_status
     from qtool.runtime.cpu import detect_cpu
+    from qtool.runtime.sessions import provider_status
 
     console.print(f"qtool {__version__} (python {sys.version.split()[0]})", highlight=False)
     console.print(

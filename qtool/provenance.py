@@ -41,7 +41,7 @@ def sha256_model(path: Path, model: onnx.ModelProto | None = None) -> str:
     """A model's SHA-256 over its file and the external data files it references (what the stats
     fingerprint of a model over 2 GB is): sha256_file(path) for a model without external data.
     `model`: the file's proto when already read (without external data)."""
-    from qtool.external_data import model_sha256
+    from qtool.model.external_data import model_sha256
 
     return model_sha256(path, model)
 

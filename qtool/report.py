@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from qtool import __version__
+from qtool.config.recipe import Recipe
 from qtool.io import atomic_write_bytes
-from qtool.plan import Plan, WeightPlan
-from qtool.quantize.int4 import BlockwiseWeight
-from qtool.quantize.layout import Layout
-from qtool.quantize.params import ActivationParams, WeightParams
-from qtool.recipe import Recipe
+from qtool.plan.layout import Layout
+from qtool.plan.plan import Plan, WeightPlan
 from qtool.runtime.cpu import CpuFeatures
+from qtool.write.int4 import BlockwiseWeight
+from qtool.write.params import ActivationParams, WeightParams
 
 
 def _floats(values: np.ndarray) -> list[float] | float:

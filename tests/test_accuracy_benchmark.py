@@ -140,7 +140,7 @@ def test_a_rejected_algorithm_is_named_so_in_the_table(tmp_path: Path):
 def test_runs_are_scored_against_the_float_model_without_algorithms(tmp_path: Path):
     """A run whose algorithms changed the float model (CLE) is scored against the original,
     and says so; one whose float model is the original is scored as it is."""
-    from qtool.recipe import load_recipe
+    from qtool.config.recipe import load_recipe
 
     recipe = load_recipe(accuracy.EXAMPLES["digits"], output_dir=tmp_path / "out")
     original = accuracy.original_float_model(recipe, tmp_path / "original.fp32.onnx")

@@ -30,21 +30,21 @@ from qtool.algorithms.adaround import (
     toward_zero,
     weight_groups,
 )
+from qtool.app.pipeline import quantize
 from qtool.calibration.collect import save_with_extra_outputs
-from qtool.data import iter_batches
+from qtool.config.recipe import load_recipe
+from qtool.data.batches import iter_batches
 from qtool.errors import RecipeError
-from qtool.ort_session import create_session
-from qtool.pipeline import quantize
-from qtool.quantize.layout import WeightSlot
-from qtool.quantize.params import WeightParams
-from qtool.quantize.weight_format import (
+from qtool.plan.layout import WeightSlot
+from qtool.runtime.sessions import create_session
+from qtool.write.params import WeightParams
+from qtool.write.weight_format import (
     PAIR_LIMIT,
     can_saturate,
     pair_extremes,
     reduction_matrix,
     restore_pair_limit,
 )
-from qtool.recipe import load_recipe
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ITERATIONS = 150  # enough to beat nearest rounding on digits; keeps each run a few seconds
@@ -482,7 +482,7 @@ def test_bad_parameters_are_one_line_recipe_errors(digits, cli, params, match) -
 
 
 def test_defaults_and_order() -> None:
-    from qtool.recipe import ALGORITHM_ORDER, ALGORITHM_PARAMS
+    from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS
 
     assert ALGORITHM_PARAMS["adaround"] == {"samples": 256, "iterations": 1000}
     assert ALGORITHM_ORDER.index("adaround") < ALGORITHM_ORDER.index("bias_correction")

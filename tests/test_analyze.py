@@ -17,16 +17,18 @@ import onnx
 import pytest
 import yaml
 
-from qtool.analyze.plan_file import plan_overrides
-from qtool.analyze.scoring import choose_metric
-from qtool.analyze.sensitivity import analysis_batches, analyze
-from qtool.analyze.variants import Assembler, exact_pattern
+from qtool.app.pipeline import prepare
 from qtool.calibration.stats_file import load_stats
+from qtool.config.recipe import load_recipe
+from qtool.data.spec import DataSpec
 from qtool.errors import DataError
-from qtool.evaluate import evaluate_models
-from qtool.pipeline import prepare
-from qtool.quantize.node_settings import _matches
-from qtool.recipe import DataSpec, EvaluationSpec, load_recipe
+from qtool.metrics.evaluate import evaluate_models
+from qtool.metrics.spec import EvaluationSpec
+from qtool.plan.node_settings import _matches
+from qtool.search.plan_file import plan_overrides
+from qtool.search.scoring import choose_metric
+from qtool.search.sensitivity import analysis_batches, analyze
+from qtool.search.variants import Assembler, exact_pattern
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NODES = ["/conv1/Conv", "/conv2/Conv", "/conv3/Conv", "/fc1/Gemm", "/fc2/Gemm"]
@@ -177,7 +179,7 @@ def test_cache_invalidates_when_the_stats_change(recipe21, tmp_path):
         ),
         tmp_path / "fewer",
     )
-    from qtool.pipeline import calibrate
+    from qtool.app.pipeline import calibrate
 
     calibrate(other, prepare(other), progress=False)
     measured = []
@@ -369,7 +371,7 @@ def test_sqnr_penalty_is_the_noise_to_signal_ratio():
 
 def test_plot_png_when_matplotlib_is_installed(recipe21):
     pytest.importorskip("matplotlib")
-    from qtool.analyze.plot import plot_png
+    from qtool.search.plot import plot_png
 
     recipe, prepared = recipe21
     result = analyze(recipe, samples=SAMPLES, progress=False, prepared=prepared)

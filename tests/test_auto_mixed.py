@@ -21,12 +21,12 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import provenance
-from qtool.analyze.sensitivity import analyze
+from qtool.app.pipeline import prepare
+from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.mixed.candidates import model_candidates, node_candidates, step_up
-from qtool.ort_session import create_session
-from qtool.pipeline import prepare
-from qtool.recipe import load_recipe
+from qtool.runtime.sessions import create_session
+from qtool.search.candidates import model_candidates, node_candidates, step_up
+from qtool.search.sensitivity import analyze
 
 NODES = ("/a/MatMul", "/b/MatMul")
 

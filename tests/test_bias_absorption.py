@@ -14,9 +14,9 @@ from onnx import helper, numpy_helper
 from benchmarks.accuracy import parse_algorithm_sets, with_algorithms
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
+from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.ort_session import create_session
-from qtool.recipe import load_recipe
+from qtool.runtime.sessions import create_session
 
 CHANNELS = 8
 

@@ -13,9 +13,9 @@ import pytest
 from onnx import numpy_helper
 
 from qtool.algorithms.bias_correction import bias_targets, measure_shifts
-from qtool.data import iter_batches
+from qtool.config.recipe import load_recipe
+from qtool.data.batches import iter_batches
 from qtool.errors import RecipeError
-from qtool.recipe import load_recipe
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -13,7 +13,7 @@ from qtool import kernels
 from qtool.calibration import collect
 from qtool.calibration.observers import HistogramObserver
 from qtool.calibration.ranges import compute_range
-from qtool.data import Batch
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError
 
 BINS = 4096  # signed bins over [-R, R]

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import pipeline
+from qtool.app import pipeline
 from qtool.calibration import collect
+from qtool.config.recipe import load_recipe
 from qtool.errors import DataError
-from qtool.recipe import load_recipe
 
 
 def _recipe(folder: Path, data: dict) -> Path:

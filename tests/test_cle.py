@@ -12,9 +12,9 @@ from onnx import helper, numpy_helper
 
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
-from qtool.ort_session import create_session
-from qtool.pipeline import prepare
-from qtool.recipe import load_recipe
+from qtool.app.pipeline import prepare
+from qtool.config.recipe import load_recipe
+from qtool.runtime.sessions import create_session
 
 CHANNELS = 8
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qtool.data import iter_batches
+from qtool.data.batches import iter_batches
+from qtool.data.spec import DataSpec, ImageFolder, InputSpec
 from qtool.errors import DataError
-from qtool.recipe import DataSpec, ImageFolder, InputSpec
 
 VEC = (InputSpec("x", (1, 3)),)
 

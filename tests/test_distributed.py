@@ -32,7 +32,7 @@ from qtool.calibration.stats_file import (
     read_stats_file,
     stats_file_bytes,
 )
-from qtool.data import Batch
+from qtool.data.batches import Batch
 from qtool.distributed import Shard
 from qtool.errors import CalibrationError, RecipeError
 

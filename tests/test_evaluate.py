@@ -1,4 +1,5 @@
-"""Tests for qtool.evaluate and qtool.ort_session on small ONNX models built with onnx.helper.
+"""Tests for qtool.metrics.evaluate and qtool.runtime.sessions on small ONNX models built with
+onnx.helper.
 
 Expected values come from numpy re-implementations of the same models (Gemm, QDQ weight) or from
 ONNX Runtime sessions opened here directly, never from the code under test.
@@ -21,7 +22,7 @@ from rich.console import Console
 
 from qtool import provenance
 from qtool.errors import DataError, ModelError
-from qtool.evaluate import (
+from qtool.metrics.evaluate import (
     EvalResult,
     ModelMetrics,
     OutputResult,
@@ -30,10 +31,10 @@ from qtool.evaluate import (
     fused_gap_warning,
     render_table,
 )
-from qtool.gates import Gates, judge_gates, junit_xml
-from qtool.ort_session import create_session
-from qtool.recipe import gate_problem
+from qtool.metrics.gates import Gates, judge_gates, junit_xml
+from qtool.metrics.spec import gate_problem
 from qtool.runtime.cpu import detect_cpu, resolve_cpu
+from qtool.runtime.sessions import create_session
 
 FEATURES, CLASSES = 16, 5
 OPSET = 17

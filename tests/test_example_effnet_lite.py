@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qtool.data import iter_batches
-from qtool.models import load_entry_point
-from qtool.pipeline import evaluate, quantize
-from qtool.recipe import load_recipe
+from qtool.app.pipeline import evaluate, quantize
+from qtool.config.recipe import load_recipe
+from qtool.data.batches import iter_batches
+from qtool.model.load import load_entry_point
 
 FOLDER = Path(__file__).resolve().parent.parent / "examples" / "effnet_lite"
 RECIPE = FOLDER / "recipe.yaml"

@@ -15,10 +15,10 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from qtool.data import iter_batches
-from qtool.models import load_entry_point
-from qtool.pipeline import evaluate, quantize
-from qtool.recipe import load_recipe
+from qtool.app.pipeline import evaluate, quantize
+from qtool.config.recipe import load_recipe
+from qtool.data.batches import iter_batches
+from qtool.model.load import load_entry_point
 
 FOLDER = Path(__file__).resolve().parent.parent / "examples" / "ocr_cls"
 RECIPE = FOLDER / "recipe.yaml"

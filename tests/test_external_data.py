@@ -1,7 +1,7 @@
 """Models over protobuf's 2 GB limit, end to end: load, prepare, calibrate, write, evaluate.
 
 A real 2 GB model costs a minute and gigabytes, so these tests lower
-`qtool.external_data.EXTERNAL_DATA_THRESHOLD` to 64 KiB and use a ~200 KB model stored with
+`qtool.model.external_data.EXTERNAL_DATA_THRESHOLD` to 64 KiB and use a ~200 KB model stored with
 external data; a guard makes every ModelProto serialization (SerializeToString, ByteSize, which
 onnx.checker, shape inference, the version converter, onnx.save and ORT-from-bytes all go through)
 over that threshold fail the test, so "never serialized whole" is checked, not assumed. Expected
@@ -25,11 +25,12 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import external_data, provenance
+from qtool import provenance
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import ModelError, OutputError
 from qtool.io import STALE_AFTER_S, Staged, commit_files, remove_stale_temporaries, stage
-from qtool.models import load_onnx
+from qtool.model import external_data
+from qtool.model.load import load_onnx
 
 LIMIT = 64 << 10
 HIDDEN = 256
@@ -230,7 +231,7 @@ def test_quantize_and_evaluate_with_external_data(small_limit, cli, tmp_path) ->
 
 def test_failed_run_leaves_nothing(small_limit, cli, tmp_path, monkeypatch) -> None:
     """A failure after both models were staged: no outputs, no temporary files."""
-    from qtool import pipeline
+    from qtool.app import pipeline
 
     recipe, _ = write_case(tmp_path, mlp())
 

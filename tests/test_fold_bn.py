@@ -17,7 +17,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.quantize.prepare import prepare_model
+from qtool.model.prepare import prepare_model
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -153,8 +153,8 @@ BN_LEFT_SOURCE = textwrap.dedent(
 
 
 def test_bn_left_export_quantizes_into_fused_convs(tmp_path) -> None:
-    from qtool.pipeline import quantize
-    from qtool.recipe import load_recipe
+    from qtool.app.pipeline import quantize
+    from qtool.config.recipe import load_recipe
 
     namespace: dict = {}
     exec(BN_LEFT_SOURCE, namespace)  # noqa: S102 - the model source the test defines above
@@ -212,9 +212,9 @@ BN1D_SOURCE = textwrap.dedent(
 
 def test_default_torch_export_of_linear_batchnorm1d_quantizes_into_qgemm(tmp_path) -> None:
     """qtool's own TorchScript export (constant folding on) keeps MatMul -> BatchNormalization."""
-    from qtool.models import load_model
-    from qtool.pipeline import quantize
-    from qtool.recipe import load_recipe
+    from qtool.app.pipeline import quantize
+    from qtool.config.recipe import load_recipe
+    from qtool.model.load import load_model
 
     (tmp_path / "model.py").write_text(BN1D_SOURCE)
     (tmp_path / "recipe.yaml").write_text(

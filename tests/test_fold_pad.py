@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from qtool.ort_session import create_session
-from qtool.quantize.prepare import prepare_model
+from qtool.model.prepare import prepare_model
+from qtool.runtime.sessions import create_session
 
 
 def _model(pads: list[int], mode: str = "constant", value: float | None = 0.0) -> onnx.ModelProto:

@@ -8,7 +8,7 @@ import pytest
 
 from qtool.algorithms.gptq import HessianAccumulator, gptq_quantize, hessian_error
 from qtool.errors import CalibrationError, DataError
-from qtool.quantize.int4 import (
+from qtool.write.int4 import (
     block_scales,
     dequantize,
     dequantize_values,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.recipe import load_recipe
 
 RECIPE = {
     "model": {"onnx": "model.onnx"},
@@ -302,7 +302,7 @@ def test_training_checkpoint_is_not_a_state_dict(tmp_path: Path, cli) -> None:
 def test_matching_state_dict_loads(tmp_path: Path) -> None:
     import torch
 
-    from qtool.models import load_entry_point, load_weights
+    from qtool.model.load import load_entry_point, load_weights
 
     (tmp_path / "tiny.py").write_text(TINY_MODEL)
     make = load_entry_point(f"{tmp_path / 'tiny.py'}:make", "model factory")
@@ -367,7 +367,7 @@ def test_ir_version_newer_than_ort_is_written_as_one_ort_loads(tmp_path: Path, c
     import onnx
     import onnxruntime
 
-    from qtool.ort_session import max_ir_version
+    from qtool.runtime.sessions import max_ir_version
 
     newest = max_ir_version()
     model = _gemm_model(ir_version=newest + 1)  # what a newer onnx than this ORT's would write
@@ -388,7 +388,7 @@ def test_ir_version_newer_than_ort_is_written_as_one_ort_loads(tmp_path: Path, c
 def test_max_ir_version_is_what_ort_loads() -> None:
     import onnxruntime
 
-    from qtool.ort_session import max_ir_version
+    from qtool.runtime.sessions import max_ir_version
 
     newest = max_ir_version()
     for version, loads in ((newest, True), (newest + 1, False)):
@@ -403,8 +403,8 @@ def test_max_ir_version_is_what_ort_loads() -> None:
 def test_model_needing_a_newer_ir_than_ort_reads_names_the_file(tmp_path: Path, cli) -> None:
     from onnx import TensorProto
 
-    from qtool.models import required_ir_version
-    from qtool.ort_session import max_ir_version
+    from qtool.model.load import required_ir_version
+    from qtool.runtime.sessions import max_ir_version
 
     model = _gemm_model(extra_type=TensorProto.FLOAT6E2M3)
     required, reason = required_ir_version(model)
@@ -423,7 +423,7 @@ def test_session_on_a_too_new_file_names_the_file(tmp_path: Path) -> None:
     import onnx
 
     from qtool.errors import ModelError
-    from qtool.ort_session import create_session, max_ir_version
+    from qtool.runtime.sessions import create_session, max_ir_version
 
     path = tmp_path / "new.onnx"
     onnx.save(_gemm_model(ir_version=max_ir_version() + 1), path)
@@ -751,7 +751,7 @@ def test_doctor_says_which_providers_can_run(cli) -> None:
 def test_provider_probe_reports_errors_and_crashes(monkeypatch) -> None:
     import onnxruntime
 
-    from qtool import ort_session
+    from qtool.runtime import sessions as ort_session
 
     real = onnxruntime.get_available_providers
     monkeypatch.setattr(
@@ -778,7 +778,7 @@ PHASES = [
 def _tiny_torch_recipe(folder: Path) -> Path:
     import torch
 
-    from qtool.models import load_entry_point
+    from qtool.model.load import load_entry_point
 
     (folder / "tiny.py").write_text(TINY_MODEL)
     make = load_entry_point(f"{folder / 'tiny.py'}:make", "model factory")
@@ -789,8 +789,8 @@ def _tiny_torch_recipe(folder: Path) -> Path:
 
 
 def test_pipeline_reports_each_phase_in_order(tmp_path: Path) -> None:
+    from qtool.app.pipeline import quantize
     from qtool.phases import listening
-    from qtool.pipeline import quantize
 
     recipe = load_recipe(_tiny_torch_recipe(tmp_path), tmp_path / "out")
     seen: list[str | None] = []
@@ -801,7 +801,7 @@ def test_pipeline_reports_each_phase_in_order(tmp_path: Path) -> None:
 
 
 def test_phases_are_silent_without_a_listener(tmp_path: Path, capsys) -> None:
-    from qtool.models import export_pytorch
+    from qtool.model.load import export_pytorch
 
     recipe = load_recipe(_tiny_torch_recipe(tmp_path))
     export_pytorch(recipe.model, recipe.inputs)

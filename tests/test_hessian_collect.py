@@ -30,9 +30,9 @@ from qtool.calibration.hessian_file import (
     merge_hessians,
     save_hessians,
 )
-from qtool.data import Batch
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError
-from qtool.quantize.prepare import prepare_model
+from qtool.model.prepare import prepare_model
 
 BINS = 256
 SEQ, K_IN, HIDDEN = 5, 6, 8

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from qtool.errors import ModelError
-from qtool.quantize.int4 import (
+from qtool.write.int4 import (
     BlockwiseWeight,
     dequantize,
     dequantize_node,
@@ -295,7 +295,7 @@ def test_gather_block_quantized_rejects_forms_ort_lacks():
 
 
 def test_signed_scales_use_all_sixteen_levels_and_never_reconstruct_worse():
-    from qtool.quantize.int4 import dequantize, quantize_blockwise
+    from qtool.write.int4 import dequantize, quantize_blockwise
 
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((64, 24)).astype(np.float32)

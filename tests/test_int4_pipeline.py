@@ -23,11 +23,11 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.algorithms.gptq import hessian_error
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
+from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.quantize.int4 import dequantize, quantize_blockwise
-from qtool.quantize.matmul_nbits import accuracy_level_for, read_nbits_weight
-from qtool.recipe import load_recipe
 from qtool.runtime.cpu import detect_cpu
+from qtool.write.int4 import dequantize, quantize_blockwise
+from qtool.write.matmul_nbits import accuracy_level_for, read_nbits_weight
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

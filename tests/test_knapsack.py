@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from qtool.mixed.knapsack import Choice, solve
+from qtool.search.knapsack import Choice, solve
 
 
 def _brute(options, budget):

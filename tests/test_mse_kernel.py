@@ -17,7 +17,7 @@ import pytest
 
 import qtool.kernels as k
 from qtool.errors import KernelError
-from qtool.quantize import int4
+from qtool.write import int4
 
 MSE_GRID = int4._check_grid("mse", int4.DEFAULT_MSE_GRID)
 

@@ -16,8 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.errors import ModelError
-from qtool.quantize.int4 import dequantize_node, quantize_blockwise, to_initializers
-from qtool.quantize.opset21 import upgrade_to_opset21
+from qtool.model.opset21 import upgrade_to_opset21
+from qtool.write.int4 import dequantize_node, quantize_blockwise, to_initializers
 
 ort.set_default_logger_severity(3)
 MINILM = Path(__file__).resolve().parent.parent / "examples" / "minilm"

@@ -20,10 +20,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from qtool.app.pipeline import quantize
+from qtool.config.recipe import load_recipe
 from qtool.errors import ModelError
-from qtool.pipeline import quantize
-from qtool.quantize.prepare import prepare_model, tensor_types
-from qtool.recipe import load_recipe
+from qtool.model.prepare import prepare_model, tensor_types
 
 # Ops whose outputs are never folded even from constant inputs (they change numerics/semantics).
 _UNFOLDABLE = {"QuantizeLinear", "DequantizeLinear", "RandomNormal", "RandomUniform"}

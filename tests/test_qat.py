@@ -20,9 +20,11 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from qtool.app.qat import run_qat
+from qtool.config.recipe import load_recipe
 from qtool.errors import ModelError, RecipeError
-from qtool.plan import WeightPlan
-from qtool.qat.command import run_qat
+from qtool.plan.layout import WeightSlot
+from qtool.plan.plan import WeightPlan
 from qtool.qat.fake_quant import (
     ActivationQuantizer,
     BlockInt8Input,
@@ -31,13 +33,11 @@ from qtool.qat.fake_quant import (
     dequantized_weight,
 )
 from qtool.qat.fold import fold_batchnorm
-from qtool.quantize.int4 import BlockwiseWeight, dequantize
-from qtool.quantize.layout import WeightSlot
-from qtool.quantize.low_bit import quantize_low_bit
-from qtool.quantize.matmul_nbits import matmul_nbits_node, nbits_initializers
-from qtool.quantize.params import activation_params
-from qtool.recipe import load_recipe
 from qtool.runtime.fusion import FUSED, fusion_truth
+from qtool.write.int4 import BlockwiseWeight, dequantize
+from qtool.write.low_bit import quantize_low_bit
+from qtool.write.matmul_nbits import matmul_nbits_node, nbits_initializers
+from qtool.write.params import activation_params
 
 MODEL_SOURCE = textwrap.dedent(
     """

@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from qtool.ort_session import create_session
+from qtool.runtime.sessions import create_session
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,8 +108,8 @@ def test_two_processes_with_batch_16_train_as_one_with_batch_32(runs):
 
 
 def _evaluation(folder: Path):
-    from qtool.data import iter_batches
-    from qtool.recipe import load_recipe
+    from qtool.config.recipe import load_recipe
+    from qtool.data.batches import iter_batches
 
     recipe = load_recipe(folder / "qat-b16.yaml")
     return list(iter_batches(recipe.evaluation.data, recipe.inputs, 64))

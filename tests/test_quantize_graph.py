@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from qtool.pipeline import quantize
-from qtool.recipe import load_recipe
+from qtool.app.pipeline import quantize
+from qtool.config.recipe import load_recipe
 
 RESNET_SOURCE = textwrap.dedent(
     """

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.recipe import DEFAULT_OP_TYPES, load_recipe
+from qtool.plan.settings import DEFAULT_OP_TYPES
 
 MINIMAL = {
     "model": {"onnx": "model.onnx"},

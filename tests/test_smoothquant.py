@@ -31,16 +31,16 @@ from qtool.algorithms.smoothquant import (
     smoothing_groups,
     smoothing_scale,
 )
+from qtool.app.pipeline import prepare, quantize
 from qtool.calibration.channels import (
     ChannelObserver,
     channel_file_bytes,
     load_channels,
 )
 from qtool.calibration.collect import collect
-from qtool.data import Batch
+from qtool.config.recipe import load_recipe
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, RecipeError
-from qtool.pipeline import prepare, quantize
-from qtool.recipe import load_recipe
 
 D, SEQ, OUTLIERS = 32, 6, (3, 17, 29)
 

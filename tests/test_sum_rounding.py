@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qtool.plan import WeightPlan
-from qtool.quantize.layout import WeightSlot
-from qtool.quantize.params import quantize_weight
-from qtool.quantize.sum_rounding import keep_channel_sums
-from qtool.quantize.weight_format import choose_weight
+from qtool.plan.layout import WeightSlot
+from qtool.plan.plan import WeightPlan
 from qtool.runtime.cpu import resolve_cpu
+from qtool.write.params import quantize_weight
+from qtool.write.sum_rounding import keep_channel_sums
+from qtool.write.weight_format import choose_weight
 
 
 def _edge_filters(channels: int = 64) -> np.ndarray:

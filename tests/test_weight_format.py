@@ -20,21 +20,21 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.pipeline import quantize
-from qtool.plan import WeightPlan
-from qtool.quantize import weight_format
-from qtool.quantize.layout import WeightSlot
-from qtool.quantize.params import quantize_weight
-from qtool.quantize.sum_rounding import keep_channel_sums
-from qtool.quantize.weight_format import (
+from qtool.app.pipeline import quantize
+from qtool.config.recipe import load_recipe
+from qtool.plan.layout import WeightSlot
+from qtool.plan.plan import WeightPlan
+from qtool.runtime.cpu import detect_cpu, resolve_cpu
+from qtool.write import weight_format
+from qtool.write.params import quantize_weight
+from qtool.write.sum_rounding import keep_channel_sums
+from qtool.write.weight_format import (
     PAIR_LIMIT,
     can_saturate,
     choose_weight,
     pair_extremes,
     reduction_matrix,
 )
-from qtool.recipe import load_recipe
-from qtool.runtime.cpu import detect_cpu, resolve_cpu
 
 SATURATING_HERE = detect_cpu().u8s8_saturates
 AVX2 = resolve_cpu("avx2")
@@ -110,7 +110,7 @@ def _patterns() -> list[tuple[str, str, np.ndarray, list[int], WeightSlot, dict]
 @pytest.mark.parametrize("case", _patterns(), ids=lambda c: c[0])
 def test_pair_model_matches_what_ort_runs(case) -> None:
     _, op, weight, x_shape, slot, attrs = case
-    from qtool.quantize.params import WeightParams
+    from qtool.write.params import WeightParams
 
     params = WeightParams(weight.astype(np.int8), np.ones(weight.shape[slot.axis], np.float32), 0)
     unsafe = bool(can_saturate(params, slot).any())

@@ -2,7 +2,8 @@
 
 Same float graph (`model.fp32.onnx` from a qtool run of a MiniLM recipe), the same calibration
 batches (qtool's reader, in equal batches: ORT's percentile calibrator needs them) and the same
-98 evaluation sentences through `qtool.evaluate.evaluate_models`. ORT's settings are those of
+98 evaluation sentences through `qtool.metrics.evaluate.evaluate_models`. ORT's settings are those
+of
 benchmarks/accuracy.py (QDQ, uint8 activations, int8 per-channel weights); `--gather` adds Gather
 to its op types so that it quantizes the embedding tables too, as the qtool recipes here do.
 ORT's own SmoothQuant option needs Intel Neural Compressor, which this environment lacks.
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 from benchmarks.accuracy import calibration_batches, equal_batch_size, evaluation_pairs, run_ort
-from qtool.evaluate import evaluate_models
-from qtool.recipe import load_recipe
+from qtool.config.recipe import load_recipe
+from qtool.metrics.evaluate import evaluate_models
 
 
 def main() -> None:

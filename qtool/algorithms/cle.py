@@ -52,7 +52,7 @@ from onnx import helper, numpy_helper
 
 from qtool.algorithms.bias_absorption import absorb, padding_reason
 from qtool.algorithms.channel_ranges import ChannelRanges
-from qtool.quantize.fold_pad import zero_spatial_pads
+from qtool.model.fold_pad import zero_spatial_pads
 
 _ROUNDS = 20  # pairwise passes over a chain; settles in a few on real networks
 _TOLERANCE = 1e-6  # stop when no scale moves by more than this (relative)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from qtool.errors import CalibrationError, DataError, ModelError
-from qtool.quantize.int4 import (
+from qtool.write.int4 import (
     DEFAULT_MSE_GRID,
     BlockwiseWeight,
     block_scales,

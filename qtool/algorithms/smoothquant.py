@@ -45,13 +45,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.algorithms.gptq import HessianAccumulator
+from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS
 from qtool.calibration.channels import ChannelObserver, ChannelStats, channels_path, load_channels
 from qtool.calibration.observers import TensorStats
+from qtool.config.recipe import Recipe
 from qtool.errors import CalibrationError, RecipeError
-from qtool.quantize.layout import Layout, plan_layout
-from qtool.quantize.params import activation_params, quantize_weight
-from qtool.quantize.prepare import tensor_types
-from qtool.recipe import SMOOTHQUANT_ALPHAS, Recipe
+from qtool.model.prepare import tensor_types
+from qtool.plan.layout import Layout, plan_layout
+from qtool.write.params import activation_params, quantize_weight
 
 __all__ = [
     "Member",

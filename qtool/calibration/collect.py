@@ -32,14 +32,14 @@ import onnx
 import onnxruntime
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from qtool import external_data
 from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.channels import ChannelObserver
 from qtool.calibration.observers import HistogramObserver, TensorStats
-from qtool.data import Batch
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, ModelError
-from qtool.ort_session import create_session, ort_reason
+from qtool.model import external_data
 from qtool.phases import phase
+from qtool.runtime.sessions import create_session, ort_reason
 
 
 def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.ValueInfoProto]:
@@ -65,7 +65,7 @@ def save_with_extra_outputs(
 ) -> None:
     """Write `model` plus the extra outputs to `path` without copying the ModelProto: the outputs
     are appended for the serialization and removed again, so `model` is unchanged afterwards.
-    A model over protobuf's limit gets its weights in `path`.data (qtool.external_data).
+    A model over protobuf's limit gets its weights in `path`.data (qtool.model.external_data).
 
     `serialized`: a file holding exactly `model`'s serialization (the staged float model). The
     file is then copied and a ModelProto holding only the extra outputs appended: protobuf parses
@@ -152,7 +152,7 @@ def collect(
     `device` is where the histogram kernels run; XᵀX is always float64 numpy on the CPU, so the
     same batches give the same bytes whatever the device. `model_dir`: the folder that `model`'s
     external data references are relative to, for a model whose weights stay on disk (over 2 GB:
-    see qtool.external_data); the model with the extra outputs is written there, since ONNX
+    see qtool.model.external_data); the model with the extra outputs is written there, since ONNX
     Runtime reads external data only from the model file's own folder. `model` is dropped
     once it is written (a caller that passes its only reference frees it before the session is
     created; pipeline.PreparedModel.release). Each of

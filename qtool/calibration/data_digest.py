@@ -33,7 +33,7 @@ import numpy as np
 from qtool.errors import CalibrationError
 
 if TYPE_CHECKING:
-    from qtool.data import Batch
+    from qtool.data.batches import Batch
 
 SCHEME = "sha256-per-sample-sum-mod-2^256/1"
 _MODULUS = 1 << 256

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qtool.quantize.int4 import BlockwiseWeight, dequantize
-from qtool.quantize.params import ActivationParams, WeightParams
+from qtool.write.int4 import BlockwiseWeight, dequantize
+from qtool.write.params import ActivationParams, WeightParams
 
 _MIN_SCALE = 1e-8
 

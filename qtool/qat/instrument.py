@@ -16,8 +16,8 @@ from qtool.qat.fake_quant import (
     StoredWeightQuantizer,
 )
 from qtool.qat.mapping import Site
-from qtool.quantize.int4 import BlockwiseWeight
-from qtool.quantize.params import ActivationParams
+from qtool.write.int4 import BlockwiseWeight
+from qtool.write.params import ActivationParams
 
 
 def _key(tensor: str) -> str:

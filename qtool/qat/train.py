@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from qtool.distributed import Group
 from qtool.errors import DataError, ModelError, RecipeError
 from qtool.io import commit_files
-from qtool.models import load_entry_point
+from qtool.model.load import load_entry_point
 
 CHECKPOINT_DIR = "qat"
 

@@ -42,8 +42,8 @@ import onnx
 import onnxruntime
 
 from qtool.errors import ModelError
-from qtool.ort_session import CPU_PROVIDER, _session_options, ort_reason
 from qtool.runtime.fusion import Located, locate
+from qtool.runtime.sessions import CPU_PROVIDER, _session_options, ort_reason
 
 OTHER = "(other)"
 _WARMUP_RUNS = 3

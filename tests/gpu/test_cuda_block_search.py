@@ -9,7 +9,7 @@ import pytest
 
 import qtool.kernels as k
 from qtool.errors import KernelError
-from qtool.quantize import int4
+from qtool.write import int4
 
 GRID = np.asarray(int4._check_grid("mse", int4.DEFAULT_MSE_GRID), np.float32)
 

@@ -1,0 +1,46 @@
+"""The accuracy algorithms a recipe can turn on, their parameters and defaults, and the order
+they are applied in (documented in docs/architecture.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# cross_layer_equalization.bias_absorption when the recipe does not say (chosen by measurement:
+# examples/effnet_lite/README.md, "Bias absorption").
+BIAS_ABSORPTION_DEFAULT = False
+
+# quantization.algorithms, in the fixed order they run; the parameters each takes, with defaults.
+# adaround before bias_correction: bias correction measures the mean output shift of the layer
+# as it will be stored, so it must see the final rounded weights (rounding after it would leave
+# a correction for weights that no longer exist).
+ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "adaround", "bias_correction")
+
+ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
+    # samples: calibration samples whose layer inputs the rounding is learned on (the first N);
+    # iterations: Adam steps per layer (qtool/algorithms/adaround.py)
+    "adaround": {"samples": 256, "iterations": 1000},
+    # samples: calibration samples the shift is measured on (the first N of the calibration set)
+    "bias_correction": {"samples": 256},
+    # exact rescaling of Conv -> (Relu | Clip(0, hi)) -> Conv pairs (qtool/algorithms/cle.py);
+    # samples: calibration samples whose per-channel maxima bound the scales through a Clip
+    # (and whose minima bound the shifts); bias_absorption: move what the activation allows of
+    # A's bias into B's afterwards (qtool/algorithms/bias_absorption.py)
+    # through_clip: also equalize pairs through Clip(0, hi), exact only on data whose channel
+    # maxima stay within the calibration samples' (off: on EfficientNet-Lite0 the equalized float
+    # model agreed with the original on 95% of new images; examples/effnet_lite/README.md)
+    "cross_layer_equalization": {
+        "samples": 512,
+        "bias_absorption": BIAS_ABSORPTION_DEFAULT,
+        "through_clip": False,
+    },
+    # alpha: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the layer's
+    # quantized output error) or one number in [0, 1]; rows: input rows sampled per layer input
+    # in the calibration pass for that search (qtool/algorithms/smoothquant.py)
+    "smoothquant": {"alpha": "auto", "rows": 512},
+}
+
+SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
+
+MAX_SMOOTHQUANT_ROWS = 16384
+
+MAX_ADAROUND_ITERATIONS = 100000

@@ -1,0 +1,83 @@
+"""`qtool analyze`: run the analysis, print the tables, commit sensitivity.json, plan.yaml and
+the plot together (cli.py only parses the options)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from qtool.app.pipeline import prepare
+from qtool.config.recipe import Recipe
+from qtool.io import commit_files
+from qtool.search.plan_file import plan_yaml
+from qtool.search.plot import PlotUnavailable, plot_png
+from qtool.search.result import SensitivityResult
+from qtool.search.sensitivity import analyze, check_request, parse_candidates, parse_modes
+from qtool.search.sensitivity_report import (
+    layer_table,
+    sensitivity_json,
+    sensitivity_table,
+    summary_lines,
+)
+
+
+def run(
+    recipe: Recipe,
+    console: Console,
+    *,
+    stats: Path | None,
+    mode: str,
+    candidates: str | None,
+    samples: int,
+    metric: str | None,
+    plot: Path | None,
+    use_cache: bool,
+    progress: bool,
+) -> SensitivityResult:
+    modes = parse_modes(mode)
+    chosen = parse_candidates(candidates) if candidates is not None else None
+    check_request(recipe, samples, metric)
+    prepared = prepare(recipe)
+    result = analyze(
+        recipe,
+        stats_path=stats,
+        modes=modes,
+        candidates=chosen,
+        samples=samples,
+        metric=metric,
+        progress=progress,
+        use_cache=use_cache,
+        prepared=prepared,
+    )
+    out = recipe.output_dir
+    files = {
+        out / "sensitivity.json": sensitivity_json(result),
+        out / "plan.yaml": plan_yaml(
+            prepared.model,
+            recipe.quantization,
+            prepared.layout.plan,
+            [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
+        ).encode(),
+    }
+    plot_path = plot if plot is not None else out / "sensitivity.png"
+    plot_note = None
+    try:
+        files[plot_path] = plot_png(result)
+    except PlotUnavailable as exc:
+        plot_note = f"no plot: {exc}"
+    commit_files(files)
+
+    if any(m in result.modes for m in ("one-at-a-time", "all-but-one")):
+        console.print(sensitivity_table(result))
+    if "layer" in result.modes:
+        console.print(layer_table(result))
+    for line in summary_lines(result):
+        console.print(line, highlight=False, markup=False)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
+    if plot_note is not None:
+        console.print(f"note: {plot_note}", highlight=False, markup=False)
+    written = ", ".join(str(path) for path in files)
+    console.print(f"wrote {written}", highlight=False, markup=False, soft_wrap=True)
+    return result

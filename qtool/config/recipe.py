@@ -1,0 +1,809 @@
+"""Recipe: the YAML file that says what to quantize and how, validated into typed objects.
+
+Validation happens once, up front, so a typo in the recipe fails in the first second with the key
+path at fault (``calibration.method``) rather than after minutes of calibration. Unknown keys are
+errors because a misspelt optional key would otherwise be silently ignored.
+
+Only the orchestrators (qtool/app) read a Recipe: each stage below them receives the typed
+section it needs (DataSpec, QuantizationSpec, CalibrationSpec, ...), defined in that stage's own
+package, so no stage depends on the recipe's shape.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qtool.algorithms.spec import (
+    ALGORITHM_ORDER,
+    ALGORITHM_PARAMS,
+    MAX_ADAROUND_ITERATIONS,
+    MAX_SMOOTHQUANT_ROWS,
+)
+from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
+from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
+from qtool.errors import RecipeError
+from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem
+from qtool.model.spec import ModelSpec
+from qtool.plan.settings import (
+    ACCURACY_LEVEL_CHOICES,
+    ACTIVATION_PRECISIONS,
+    BLOCK_SIZES,
+    DEFAULT_OP_TYPES,
+    INT4_FORMATS,
+    PRECISIONS,
+    SATURATION_POLICIES,
+    SUPPORTED_OP_TYPES,
+    TARGETS,
+    WEIGHT_GRANULARITIES,
+    WEIGHT_METHODS,
+    Override,
+    QuantizationSpec,
+    WeightSettings,
+)
+from qtool.qat.spec import QAT_LOSSES, QAT_OPTIMIZERS, QatSpec
+from qtool.runtime.cpu import CPU_NAMES
+from qtool.search.spec import MIXED_METRICS, MIXED_OBJECTIVES, BudgetSpec, MixedPrecisionSpec
+
+# A recipe is a page of settings: anything larger, or any document whose aliases expand to more
+# nodes than this, is an attack (a "billion laughs" alias bomb) or a mistake, refused before any
+# walk over the parsed data (a repr, a merge) could expand it.
+MAX_RECIPE_BYTES = 1 << 20
+
+MAX_YAML_NODES = 100_000
+
+# No integer setting means anything above this; larger values (2**40 bins, a 1e30 batch) would
+# only fail later as a MemoryError or an int64 overflow inside numpy or ONNX Runtime.
+MAX_INTEGER = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    model: ModelSpec
+    inputs: tuple[InputSpec, ...]
+    calibration: CalibrationSpec
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    evaluation: EvaluationSpec | None = None
+    output_dir: Path = Path("out")
+    seed: int = 0
+    mixed_precision: MixedPrecisionSpec | None = None
+    qat: QatSpec | None = None
+
+    @property
+    def float_model_path(self) -> Path:
+        return self.output_dir / "model.fp32.onnx"
+
+    @property
+    def quant_model_path(self) -> Path:
+        """model.int8.onnx, or model.int4.onnx when the recipe asks for 4-bit weights anywhere."""
+        bits = "int4" if self.quantization.uses_int4 else "int8"
+        return self.output_dir / f"model.{bits}.onnx"
+
+    @property
+    def stats_path(self) -> Path:
+        return self.output_dir / "stats.npz"
+
+    @property
+    def hessians_path(self) -> Path:
+        """GPTQ's XᵀX per layer input, written by the calibration run beside the stats file."""
+        return self.output_dir / "hessians.npz"
+
+    @property
+    def report_path(self) -> Path:
+        return self.output_dir / "report.json"
+
+
+_SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 2, 60, 60, 4, 4
+_SHOW.maxlong = 40
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for error messages: a wrong value may be a huge nested structure, and an
+    error must stay one short line."""
+    return _SHOW.repr(value)
+
+
+class _Reader:
+    """Reads typed values out of nested YAML mappings, naming the key path in every error."""
+
+    def __init__(self, recipe_path: Path) -> None:
+        self.recipe_path = recipe_path
+        self.base = recipe_path.parent
+
+    def fail(self, where: str, message: str) -> RecipeError:
+        return RecipeError(f"{self.recipe_path}: {where}: {message}")
+
+    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()):
+        if not isinstance(value, dict):
+            raise self.fail(where, f"must be a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                options = ", ".join(sorted(allowed))
+                raise self.fail(_join(where, str(key)), f"unknown key (allowed: {options})")
+        for key in sorted(required):
+            if key not in value:
+                raise self.fail(_join(where, key), "is required")
+        return value
+
+    def integer(
+        self, value: Any, where: str, minimum: int | None = None, maximum: int = MAX_INTEGER
+    ) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"must be an integer, got {_show(value)}")
+        if minimum is not None and value < minimum:
+            raise self.fail(where, f"must be >= {minimum}, got {_show(value)}")
+        if value > maximum:
+            raise self.fail(where, f"must be <= {maximum}, got {_show(value)}")
+        return value
+
+    def number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(where, f"must be a number, got {_show(value)}")
+        return float(value)
+
+    def boolean(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(where, f"must be true or false, got {_show(value)}")
+        return value
+
+    def string(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"must be a non-empty string, got {_show(value)}")
+        return value
+
+    def choice(self, value: Any, where: str, options: tuple[str, ...]) -> str:
+        if value not in options:
+            raise self.fail(where, f"must be one of {', '.join(options)}, got {_show(value)}")
+        return value
+
+    def existing_file(self, value: Any, where: str) -> Path:
+        path = self.base / self.string(value, where)
+        if not path.is_file():
+            raise self.fail(where, f"file not found: {path}")
+        return path
+
+    def existing_dir(self, value: Any, where: str) -> Path:
+        path = self.base / self.string(value, where)
+        if not path.is_dir():
+            raise self.fail(where, f"folder not found: {path}")
+        return path
+
+    def entry_point(self, value: Any, where: str) -> str:
+        text = self.string(value, where)
+        file_part, sep, func = text.rpartition(":")
+        if not sep or not file_part.endswith(".py") or not func.isidentifier():
+            raise self.fail(where, f"must look like 'file.py:function', got {text!r}")
+        path = self.existing_file(file_part, where)
+        return f"{path}:{func}"
+
+    def string_list(self, value: Any, where: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise self.fail(where, f"must be a list of strings, got {_show(value)}")
+        return tuple(self.string(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+    def number_list(self, value: Any, where: str) -> tuple[float, ...]:
+        if not isinstance(value, list):
+            raise self.fail(where, f"must be a list of numbers, got {_show(value)}")
+        return tuple(self.number(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+    def shape(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or not value:
+            raise self.fail(
+                where, f"must be a non-empty list of positive integers, got {_show(value)}"
+            )
+        return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recipe:
+    """Parse and validate a recipe file; every problem is a RecipeError naming the key path."""
+    recipe_path = Path(path)
+    if not recipe_path.is_file():
+        raise RecipeError(f"{recipe_path}: recipe file not found")
+    raw = _parse_yaml(recipe_path)
+    reader = _Reader(recipe_path)
+    raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
+    top = reader.mapping(
+        raw,
+        "",
+        {
+            "seed",
+            "model",
+            "inputs",
+            "calibration",
+            "quantization",
+            "evaluation",
+            "output",
+            "mixed_precision",
+            "qat",
+        },
+        {"model", "inputs", "calibration"},
+    )
+    model = _read_model(reader, top["model"])
+    inputs = _read_inputs(reader, top["inputs"])
+    calibration = _read_calibration(reader, top["calibration"])
+    quantization = _read_quantization(reader, top.get("quantization", {}))
+    evaluation = _read_evaluation(reader, top["evaluation"]) if "evaluation" in top else None
+    out = top.get("output", {})
+    reader.mapping(out, "output", {"dir"})
+    if output_dir is not None:
+        out_path = Path(output_dir)
+    else:
+        out_path = reader.base / reader.string(out.get("dir", "out"), "output.dir")
+    seed = reader.integer(top.get("seed", 0), "seed", minimum=0)
+    mixed = None
+    if "mixed_precision" in top:
+        mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
+    qat = _read_qat(reader, top["qat"]) if "qat" in top else None
+    return Recipe(
+        recipe_path,
+        model,
+        inputs,
+        calibration,
+        quantization,
+        evaluation,
+        out_path,
+        seed,
+        mixed,
+        qat,
+    )
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing documents whose aliases expand past MAX_YAML_NODES nodes.
+
+    PyYAML shares an aliased node instead of copying it, so parsing a billion-laughs document is
+    cheap; the cost comes later, from anything that walks the result (a repr in an error message,
+    merging a preset). The expanded size is counted on the composed node graph, where each
+    distinct node is visited once, before any Python object is built.
+    """
+
+    def check_expansion(self, root: yaml.Node, path: Path) -> None:
+        sizes: dict[int, int] = {}
+        visiting: set[int] = set()
+
+        def size(node: yaml.Node) -> int:
+            key = id(node)
+            if key in sizes:
+                return sizes[key]
+            if key in visiting:
+                raise RecipeError(f"{path}: YAML alias refers to itself (a recursive document)")
+            visiting.add(key)
+            total = 1
+            if isinstance(node, yaml.SequenceNode):
+                total += sum(size(item) for item in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                total += sum(size(k) + size(v) for k, v in node.value)
+            visiting.discard(key)
+            if total > MAX_YAML_NODES:
+                raise RecipeError(
+                    f"{path}: line {node.start_mark.line + 1}: YAML aliases expand to more than "
+                    f"{MAX_YAML_NODES} values (an alias bomb?); a recipe needs far fewer"
+                )
+            sizes[key] = total
+            return total
+
+        size(root)
+
+
+def _parse_yaml(path: Path) -> Any:
+    """Parse one YAML file with bounded size and alias expansion; errors name the file and line."""
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            f"{path}: larger than {MAX_RECIPE_BYTES // 1024} KiB: not a recipe (they are a page)"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    loader = _BoundedLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        loader.check_expansion(root, path)
+        return loader.construct_document(root)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else "YAML"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path}: {where}: malformed YAML: {problem}") from None
+    finally:
+        loader.dispose()
+
+
+def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
+    """Merge a `base:` preset (e.g. configs/int8-entropy.yaml) under this recipe's own keys.
+
+    Presets hold only settings (calibration method, target, op types), never paths, so they can
+    be shared by recipes in any folder; the recipe's own values win key by key.
+    """
+    if not isinstance(raw, dict) or "base" not in raw:
+        return raw
+    base_path = (chain[-1].parent / reader.string(raw["base"], "base")).resolve()
+    if not base_path.is_file():
+        raise reader.fail("base", f"file not found: {base_path}")
+    if base_path in chain:
+        raise reader.fail("base", f"presets include each other in a loop: {base_path}")
+    try:
+        base = _parse_yaml(base_path) or {}
+    except RecipeError as exc:
+        raise reader.fail("base", str(exc)) from None
+    if not isinstance(base, dict):
+        raise reader.fail("base", f"{base_path}: a preset must be a mapping")
+    base = _apply_base(reader, base, [*chain, base_path])
+    own = {key: value for key, value in raw.items() if key != "base"}
+    return _deep_merge(base, own)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_model(reader: _Reader, raw: Any) -> ModelSpec:
+    reader.mapping(raw, "model", {"onnx", "pytorch", "weights", "opset"})
+    if ("onnx" in raw) == ("pytorch" in raw):
+        raise reader.fail(
+            "model", "give exactly one of 'onnx' (a file) or 'pytorch' (file.py:factory)"
+        )
+    if "weights" in raw and "pytorch" not in raw:
+        raise reader.fail("model.weights", "only applies to a 'pytorch' model")
+    opset = reader.integer(raw.get("opset", 17), "model.opset", minimum=17)
+    if "onnx" in raw:
+        return ModelSpec(onnx=reader.existing_file(raw["onnx"], "model.onnx"), opset=opset)
+    weights = reader.existing_file(raw["weights"], "model.weights") if "weights" in raw else None
+    return ModelSpec(
+        pytorch=reader.entry_point(raw["pytorch"], "model.pytorch"), weights=weights, opset=opset
+    )
+
+
+def _read_inputs(reader: _Reader, raw: Any) -> tuple[InputSpec, ...]:
+    if not isinstance(raw, dict) or not raw:
+        raise reader.fail("inputs", "must map each model input name to its shape")
+    specs = []
+    for name, value in raw.items():
+        where = f"inputs.{name}"
+        if isinstance(value, dict):
+            reader.mapping(value, where, {"shape", "dtype"}, {"shape"})
+            shape = reader.shape(value["shape"], f"{where}.shape")
+            dtype = reader.choice(value.get("dtype", "float32"), f"{where}.dtype", INPUT_DTYPES)
+        else:
+            shape, dtype = reader.shape(value, where), "float32"
+        specs.append(InputSpec(str(name), shape, dtype))
+    return tuple(specs)
+
+
+def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
+    kinds = {"npz", "npy", "images", "python", "synthetic"}
+    reader.mapping(raw, where, kinds | {"labels", "samples"})
+    chosen = [k for k in ("npz", "npy", "images", "python") if k in raw]
+    synthetic = (
+        reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
+    )
+    if synthetic:
+        chosen.append("synthetic")
+    if len(chosen) != 1:
+        raise reader.fail(
+            where, "give exactly one data source: npz, npy, images, python, or synthetic: true"
+        )
+    if "samples" in raw and not synthetic:
+        raise reader.fail(f"{where}.samples", "only applies to synthetic: true")
+    if "labels" in raw and "npy" not in raw:
+        raise reader.fail(f"{where}.labels", "only applies to an 'npy' source")
+    kind = chosen[0]
+    if kind == "npz":
+        return DataSpec(where, npz=reader.existing_file(raw["npz"], f"{where}.npz"))
+    if kind == "npy":
+        files = raw["npy"]
+        if not isinstance(files, dict) or not files:
+            raise reader.fail(f"{where}.npy", "must map input names to .npy files")
+        npy = {str(k): reader.existing_file(v, f"{where}.npy.{k}") for k, v in files.items()}
+        labels = reader.existing_file(raw["labels"], f"{where}.labels") if "labels" in raw else None
+        return DataSpec(where, npy=npy, labels=labels)
+    if kind == "images":
+        return DataSpec(where, images=_read_images(reader, raw["images"], f"{where}.images"))
+    if kind == "python":
+        return DataSpec(where, python=reader.entry_point(raw["python"], f"{where}.python"))
+    samples = reader.integer(raw.get("samples", 64), f"{where}.samples", minimum=1)
+    return DataSpec(where, synthetic=True, samples=samples)
+
+
+def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
+    keys = {"dir", "input", "size", "mode", "scale", "mean", "std"}
+    reader.mapping(raw, where, keys, {"dir", "input", "size"})
+    size = reader.shape(raw["size"], f"{where}.size")
+    if len(size) != 2:
+        raise reader.fail(f"{where}.size", f"must be [height, width], got {list(size)}")
+    mode = reader.choice(raw.get("mode", "RGB"), f"{where}.mode", IMAGE_MODES)
+    channels = 1 if mode == "L" else 3
+    mean = reader.number_list(raw.get("mean", [0.0] * channels), f"{where}.mean")
+    std = reader.number_list(raw.get("std", [1.0] * channels), f"{where}.std")
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != channels:
+            raise reader.fail(f"{where}.{key}", f"needs {channels} values for mode {mode}")
+    if any(s <= 0 for s in std):
+        raise reader.fail(f"{where}.std", "values must be > 0")
+    scale = reader.number(raw.get("scale", 255.0), f"{where}.scale")
+    if scale <= 0:
+        raise reader.fail(f"{where}.scale", "must be > 0")
+    return ImageFolder(
+        dir=reader.existing_dir(raw["dir"], f"{where}.dir"),
+        input=reader.string(raw["input"], f"{where}.input"),
+        size=(size[0], size[1]),
+        mode=mode,
+        scale=scale,
+        mean=mean,
+        std=std,
+    )
+
+
+def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
+    keys = {"data", "batch_size", "max_samples", "method", "percentile", "bins"}
+    reader.mapping(raw, "calibration", keys, {"data"})
+    percentile = reader.number(raw.get("percentile", 99.99), "calibration.percentile")
+    if not 50.0 < percentile <= 100.0:
+        raise reader.fail("calibration.percentile", f"must be in (50, 100], got {percentile}")
+    bins = reader.integer(
+        raw.get("bins", 2048), "calibration.bins", minimum=MIN_BINS, maximum=MAX_BINS
+    )
+    if bins % 2:
+        raise reader.fail(
+            "calibration.bins", f"must be even (the histogram is split at 0), got {bins}"
+        )
+    max_samples = raw.get("max_samples")
+    return CalibrationSpec(
+        data=_read_data(reader, raw["data"], "calibration.data"),
+        batch_size=reader.integer(raw.get("batch_size", 32), "calibration.batch_size", minimum=1),
+        max_samples=None
+        if max_samples is None
+        else reader.integer(max_samples, "calibration.max_samples", minimum=1),
+        method=reader.choice(raw.get("method", "entropy"), "calibration.method", METHODS),
+        percentile=percentile,
+        bins=bins,
+    )
+
+
+def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
+    keys = {
+        "target",
+        "per_channel",
+        "op_types",
+        "exclude",
+        "cpu",
+        "saturation",
+        "weights",
+        "activations",
+        "overrides",
+        "algorithms",
+        "int4_format",
+        "accuracy_level",
+    }
+    reader.mapping(raw, "quantization", keys)
+    op_types = _read_op_types(
+        reader, raw.get("op_types", list(DEFAULT_OP_TYPES)), "quantization.op_types"
+    )
+    weights = _read_weights(reader, raw.get("weights", {}), "quantization.weights")
+    if "per_channel" in raw:
+        per_channel = reader.boolean(raw["per_channel"], "quantization.per_channel")
+        if weights.granularity is not None and not per_channel:
+            raise reader.fail(
+                "quantization.per_channel",
+                "conflicts with quantization.weights.granularity: set only the granularity",
+            )
+        # true was always the default: it means "not per-tensor", so blocks stay possible.
+        if not per_channel:
+            weights = weights.layered(WeightSettings(granularity="per-tensor"))
+    activations = raw.get("activations")
+    overrides = raw.get("overrides", [])
+    if not isinstance(overrides, list):
+        raise reader.fail("quantization.overrides", f"must be a list, got {overrides!r}")
+    target = reader.choice(raw.get("target", "ort-cpu"), "quantization.target", TARGETS)
+    int4_format = raw.get("int4_format")
+    if int4_format is not None:
+        int4_format = reader.choice(int4_format, "quantization.int4_format", INT4_FORMATS)
+        if int4_format == "matmulnbits" and target != "ort-cpu":
+            raise reader.fail(
+                "quantization.int4_format",
+                f"matmulnbits is ONNX Runtime's operator; target {target} reads qdq",
+            )
+    accuracy_level = str(raw.get("accuracy_level", "auto"))
+    reader.choice(accuracy_level, "quantization.accuracy_level", ACCURACY_LEVEL_CHOICES)
+    return QuantizationSpec(
+        target=target,
+        int4_format=int4_format,
+        accuracy_level=accuracy_level,
+        op_types=op_types,
+        exclude=reader.string_list(raw.get("exclude", []), "quantization.exclude"),
+        cpu=reader.choice(raw.get("cpu", "auto"), "quantization.cpu", CPU_NAMES),
+        saturation=reader.choice(
+            raw.get("saturation", "auto"), "quantization.saturation", SATURATION_POLICIES
+        ),
+        weights=weights,
+        activations=None
+        if activations is None
+        else reader.choice(activations, "quantization.activations", ACTIVATION_PRECISIONS),
+        overrides=tuple(
+            _read_override(reader, entry, f"quantization.overrides[{i}]")
+            for i, entry in enumerate(overrides)
+        ),
+        algorithms=_read_algorithms(reader, raw.get("algorithms", [])),
+    )
+
+
+def read_algorithms(raw: Any, source: str) -> tuple[tuple[str, dict], ...]:
+    """`quantization.algorithms` given outside a recipe file (benchmarks' `--algorithms`),
+    validated as in a recipe; errors name `source` where a recipe error names the file."""
+    return _read_algorithms(_Reader(Path(source)), raw)
+
+
+def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
+    """`[bias_correction]` or `{bias_correction: {samples: 128}}`; run in ALGORITHM_ORDER."""
+    where = "quantization.algorithms"
+    if isinstance(raw, list):
+        entries = {reader.string(name, f"{where}[{i}]"): {} for i, name in enumerate(raw)}
+    elif isinstance(raw, dict):
+        entries = {str(name): params if params is not None else {} for name, params in raw.items()}
+    else:
+        raise reader.fail(where, f"must be a list of names or a mapping, got {raw!r}")
+    chosen = []
+    for name in ALGORITHM_ORDER:
+        if name not in entries:
+            continue
+        if name not in ALGORITHM_PARAMS:
+            raise reader.fail(f"{where}.{name}", "is not implemented in this version of qtool yet")
+        params = dict(ALGORITHM_PARAMS[name])
+        given = reader.mapping(entries[name], f"{where}.{name}", set(params))
+        for key, value in given.items():
+            if (name, key) == ("smoothquant", "alpha"):
+                params[key] = _read_alpha(reader, value, f"{where}.{name}.{key}")
+            elif (name, key) == ("smoothquant", "rows"):  # rows x K floats kept per layer input
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SMOOTHQUANT_ROWS
+                )
+            elif name == "cross_layer_equalization" and key in ("bias_absorption", "through_clip"):
+                params[key] = reader.boolean(value, f"{where}.{name}.{key}")
+            elif (name, key) == ("adaround", "iterations"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_ADAROUND_ITERATIONS
+                )
+            else:
+                params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)
+        chosen.append((name, params))
+    unknown = sorted(set(entries) - set(ALGORITHM_ORDER))
+    if unknown:
+        raise reader.fail(
+            f"{where}.{unknown[0]}", f"unknown algorithm (known: {', '.join(ALGORITHM_ORDER)})"
+        )
+    return tuple(chosen)
+
+
+def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:
+    """SmoothQuant's alpha: "auto" or a number in [0, 1] (0 leaves the layer unsmoothed)."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise reader.fail(where, f"must be auto or a number in [0, 1], got {_show(value)}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise reader.fail(where, f"must be in [0, 1], got {_show(value)}")
+    return float(value)
+
+
+def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:
+    op_types = reader.string_list(raw, where)
+    for index, op_type in enumerate(op_types):
+        reader.choice(op_type, f"{where}[{index}]", SUPPORTED_OP_TYPES)
+    return op_types
+
+
+def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
+    reader.mapping(raw, where, {"bits", "granularity", "block_size", "method", "symmetric"})
+    bits = raw.get("bits")
+    if bits is not None and bits not in (4, 8):
+        raise reader.fail(f"{where}.bits", f"must be 4 or 8, got {bits!r}")
+    block_size = raw.get("block_size")
+    if block_size is not None:
+        block_size = reader.integer(block_size, f"{where}.block_size")
+        if block_size not in BLOCK_SIZES:
+            sizes = ", ".join(map(str, BLOCK_SIZES))
+            raise reader.fail(f"{where}.block_size", f"must be one of {sizes}, got {block_size}")
+    granularity = raw.get("granularity")
+    if granularity is not None:
+        reader.choice(granularity, f"{where}.granularity", WEIGHT_GRANULARITIES)
+        if block_size is not None and granularity != "block":
+            raise reader.fail(
+                f"{where}.block_size", f"applies to granularity 'block', not {granularity!r}"
+            )
+    method = raw.get("method")
+    symmetric = raw.get("symmetric")
+    return WeightSettings(
+        bits=bits,
+        granularity=granularity,
+        block_size=block_size,
+        method=None if method is None else reader.choice(method, f"{where}.method", WEIGHT_METHODS),
+        symmetric=None if symmetric is None else reader.boolean(symmetric, f"{where}.symmetric"),
+    )
+
+
+def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
+    reader.mapping(raw, where, {"nodes", "op_types", "precision", "weights", "activations"})
+    nodes = raw.get("nodes", [])
+    nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
+    op_types = raw.get("op_types", [])
+    op_types = _read_op_types(
+        reader, [op_types] if isinstance(op_types, str) else op_types, f"{where}.op_types"
+    )
+    if not nodes and not op_types:
+        raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
+    weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
+    precision = raw.get("precision")
+    if precision is not None:
+        reader.choice(precision, f"{where}.precision", PRECISIONS)
+        bits = {"int4": 4, "int8": 8}.get(precision)
+        if weights.bits is not None and bits is not None and weights.bits != bits:
+            raise reader.fail(
+                f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+            )
+        if bits is not None:
+            weights = weights.layered(WeightSettings(bits=bits))
+    activations = raw.get("activations")
+    return Override(
+        where=where,
+        nodes=nodes,
+        op_types=op_types,
+        precision=precision,
+        weights=weights,
+        activations=None
+        if activations is None
+        else reader.choice(activations, f"{where}.activations", ACTIVATION_PRECISIONS),
+    )
+
+
+def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
+    keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
+    keys.add("accuracy_level")
+    reader.mapping(raw, "evaluation", keys, {"data"})
+    accuracy_level = raw.get("accuracy_level")
+    if accuracy_level is not None:
+        accuracy_level = reader.integer(accuracy_level, "evaluation.accuracy_level", minimum=0)
+        if accuracy_level > 4:
+            raise reader.fail("evaluation.accuracy_level", f"must be 0..4, got {accuracy_level}")
+    gates: dict[str, float | None] = {}
+    for key in ("max_drop", "min_cosine", "min_sqnr"):
+        value = raw.get(key)
+        if value is not None:
+            value = reader.number(value, f"evaluation.{key}")
+            problem = gate_problem(key, value)
+            if problem is not None:
+                raise reader.fail(f"evaluation.{key}", problem)
+        gates[key] = value
+    output = raw.get("output")
+    metric = raw.get("metric")
+    return EvaluationSpec(
+        data=_read_data(reader, raw["data"], "evaluation.data"),
+        batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
+        output=None if output is None else reader.string(output, "evaluation.output"),
+        metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
+        accuracy_level=accuracy_level,
+        **gates,
+    )
+
+
+def _read_mixed_precision(
+    reader: _Reader,
+    raw: Any,
+    quantization: QuantizationSpec,
+    evaluation: EvaluationSpec | None,
+) -> MixedPrecisionSpec:
+    where = "mixed_precision"
+    raw = {} if raw is None else raw
+    reader.mapping(raw, where, {"objective", "budget", "candidates", "max_iterations", "samples"})
+    if evaluation is None:
+        raise reader.fail(where, "needs an evaluation: section (plans are verified on its data)")
+    objective = reader.choice(raw.get("objective", "size"), f"{where}.objective", MIXED_OBJECTIVES)
+    budget = None
+    if "budget" in raw:
+        budget = _read_budget(reader, raw["budget"], f"{where}.budget")
+    elif all(getattr(evaluation, k) is None for k in ("max_drop", "min_cosine", "min_sqnr")):
+        raise reader.fail(
+            f"{where}.budget",
+            "is required when evaluation: sets no gate (max_drop, min_cosine or min_sqnr)",
+        )
+    candidates = None
+    if "candidates" in raw:
+        key = f"{where}.candidates"
+        candidates = reader.string_list(raw["candidates"], key)
+        for index, name in enumerate(candidates):
+            reader.choice(name, f"{key}[{index}]", PRECISIONS)
+            if name in candidates[:index]:
+                raise reader.fail(f"{key}[{index}]", f"{name!r} is listed twice")
+        if not set(candidates) - {"float"}:
+            raise reader.fail(key, "needs int4 or int8 (float alone leaves nothing to choose)")
+        if "int4" in candidates and quantization.target == "tensorrt":
+            raise reader.fail(
+                key, "int4 is not a candidate for target tensorrt (qtool writes int8 for it)"
+            )
+        candidates = tuple(p for p in PRECISIONS if p in candidates)
+    return MixedPrecisionSpec(
+        objective=objective,
+        budget=budget,
+        candidates=candidates,
+        max_iterations=reader.integer(
+            raw.get("max_iterations", 8), f"{where}.max_iterations", minimum=1, maximum=10_000
+        ),
+        samples=reader.integer(raw.get("samples", 128), f"{where}.samples", minimum=1),
+    )
+
+
+def _read_budget(reader: _Reader, raw: Any, where: str) -> BudgetSpec:
+    """Exactly one limit; `metric` only says what max_drop counts, or repeats what a floor is."""
+    reader.mapping(raw, where, {"metric", "max_drop", "min_cosine", "min_sqnr"})
+    limits = [key for key in ("max_drop", "min_cosine", "min_sqnr") if key in raw]
+    if len(limits) != 1:
+        raise reader.fail(where, "give exactly one of max_drop, min_cosine or min_sqnr")
+    key = limits[0]
+    value = reader.number(raw[key], f"{where}.{key}")
+    problem = gate_problem(key, value)
+    if problem is not None:
+        raise reader.fail(f"{where}.{key}", problem)
+    metric = raw.get("metric")
+    if metric is not None:
+        metric = reader.choice(metric, f"{where}.metric", MIXED_METRICS)
+        allowed = {"max_drop": GATE_METRICS, "min_cosine": ("cosine",), "min_sqnr": ("sqnr",)}
+        if metric not in allowed[key]:
+            raise reader.fail(
+                f"{where}.metric",
+                f"{metric!r} does not go with {key} (which counts {', '.join(allowed[key])})",
+            )
+    return BudgetSpec(metric=metric, **{key: value})
+
+
+def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
+    keys = {"epochs", "lr", "optimizer", "batch_size", "seed", "data", "loss", "learn_scales"}
+    reader.mapping(raw if raw is not None else {}, "qat", keys)
+    raw = raw or {}
+    lr = reader.number(raw.get("lr", 1e-4), "qat.lr")
+    if not math.isfinite(lr) or lr <= 0:
+        raise reader.fail("qat.lr", f"must be a finite number > 0, got {lr}")
+    loss = raw.get("loss")
+    if loss is not None:
+        text = reader.string(loss, "qat.loss")
+        loss = text if text in QAT_LOSSES else None
+        if loss is None:
+            if ":" not in text:
+                raise reader.fail(
+                    "qat.loss",
+                    f"must be one of {', '.join(QAT_LOSSES)} or 'file.py:function', got {text!r}",
+                )
+            loss = reader.entry_point(text, "qat.loss")
+    seed = raw.get("seed")
+    return QatSpec(
+        epochs=reader.integer(raw.get("epochs", 3), "qat.epochs", minimum=1),
+        lr=lr,
+        optimizer=reader.choice(raw.get("optimizer", "adam"), "qat.optimizer", QAT_OPTIMIZERS),
+        batch_size=reader.integer(raw.get("batch_size", 32), "qat.batch_size", minimum=1),
+        seed=None if seed is None else reader.integer(seed, "qat.seed", minimum=0),
+        data=_read_data(reader, raw["data"], "qat.data") if "data" in raw else None,
+        loss=loss,
+        learn_scales=reader.boolean(raw.get("learn_scales", False), "qat.learn_scales"),
+    )

@@ -1,1 +1,0 @@
-"""Automatic mixed precision: per-node precisions chosen under an accuracy budget."""

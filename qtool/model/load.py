@@ -1,0 +1,398 @@
+"""Load the FP32 model a recipe names, as an ONNX ModelProto whose inputs match the recipe.
+
+PyTorch models are exported with the TorchScript-based exporter (``dynamo=False``) because it
+names nodes after the module path (``/conv1/Conv``), so recipe overrides can name layers the way
+the model's author knows them; the batch dimension is exported dynamic so calibration and
+evaluation can use any batch size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import pickletools
+import re
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qtool.data.spec import InputSpec
+from qtool.errors import ModelError, first_line
+from qtool.model.spec import ModelSpec
+from qtool.phases import phase
+
+_ONNX_DTYPES = {
+    "float32": onnx.TensorProto.FLOAT,
+    "float16": onnx.TensorProto.FLOAT16,
+    "int64": onnx.TensorProto.INT64,
+    "int32": onnx.TensorProto.INT32,
+    "bool": onnx.TensorProto.BOOL,
+}
+
+
+def load_entry_point(spec: str, what: str):
+    """Import ``/abs/path/file.py:name`` and return the attribute; the file's folder is put on
+    sys.path first so the file can import its neighbours (a model module next to its data module).
+    """
+    file_part, _, name = spec.rpartition(":")
+    path = Path(file_part)
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = f"_qtool_user_{abs(hash(str(path)))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ModelError(f"{path}: cannot import {what}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise ModelError(
+                f"{path}: importing {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    if not hasattr(module, name):
+        raise ModelError(f"{path}: has no '{name}' ({what})")
+    return getattr(module, name)
+
+
+def load_model(
+    spec: ModelSpec, inputs: tuple[InputSpec, ...], digest: hashlib._Hash | None = None
+) -> onnx.ModelProto:
+    """Return the FP32 model as ONNX, checked against the recipe's declared inputs.
+
+    `digest`: for an ONNX source, fed the file and its external data as they are read (see
+    load_onnx), so provenance needs no second read of a model that may be gigabytes."""
+    if spec.onnx is not None:
+        model = load_onnx(Path(spec.onnx), digest)
+        source = str(spec.onnx)
+    else:
+        model = export_pytorch(spec, inputs)
+        source = spec.pytorch or "pytorch model"
+    check_inputs(model, inputs, source)
+    fit_ir_version(model, source)
+    return model
+
+
+def load_onnx(path: Path, digest: hashlib._Hash | None = None) -> onnx.ModelProto:
+    """Read an ONNX file and the external data files beside it (models over 2 GB keep their
+    weights there: see qtool.model.external_data); a missing data file is named in the error.
+
+    `digest` is updated with the file's bytes, then with each external data file in
+    first-reference order: provenance.sha256_model's definition, computed from the one read
+    (hashing the file afterwards re-read and re-parsed it: 0.2 CPU s on a 90 MB encoder)."""
+    from qtool.model.external_data import external_files, hash_files
+
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model file ({first_line(exc)})") from None
+    if digest is not None:
+        digest.update(content)
+    try:
+        model = onnx.load_model_from_string(content)
+    except Exception as exc:
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from None
+    del content
+    files = external_files(path, model)
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise ModelError(
+            f"{path}: its weights are stored in {missing[0].name}, which is not in "
+            f"{missing[0].parent}"
+        )
+    if digest is not None:
+        hash_files(digest, files, path)
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as exc:  # a location outside the folder, a file shorter than an offset
+        raise ModelError(f"{path}: cannot read its external data ({first_line(exc)})") from None
+    return model
+
+
+# Element types newer than IR 8 and the IR version that added each (onnx.proto's history).
+_TYPE_IR = {
+    name: version
+    for version, names in (
+        (9, ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")),
+        (10, ("UINT4", "INT4")),
+        (11, ("FLOAT4E2M1",)),
+        (12, ("FLOAT8E8M0",)),
+        (13, ("UINT2", "INT2")),
+        (14, ("FLOAT6E2M3", "FLOAT6E3M2")),
+    )
+    for name in names
+}
+
+
+def _graph_types(graph: onnx.GraphProto) -> set[int]:
+    """Every element type a graph (and its subgraphs) declares, stores or casts to."""
+    found = {init.data_type for init in graph.initializer}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            found.add(value.type.tensor_type.elem_type)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and attr.type == onnx.AttributeProto.INT:
+                found.add(attr.i)
+            if attr.HasField("t"):
+                found.add(attr.t.data_type)
+            if attr.HasField("g"):
+                found |= _graph_types(attr.g)
+            for sub in attr.graphs:
+                found |= _graph_types(sub)
+    return found
+
+
+def required_ir_version(model: onnx.ModelProto) -> tuple[int, str]:
+    """The oldest IR version that can express `model`, and what needs it (for messages)."""
+    version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    reason = "its opsets"
+    for elem in sorted(_graph_types(model.graph)):
+        name = onnx.TensorProto.DataType.Name(elem) if elem else ""
+        if _TYPE_IR.get(name, 0) > version:
+            version, reason = _TYPE_IR[name], f"element type {name}"
+    if model.functions and version < 8:
+        version, reason = 8, "model-local functions"
+    return version, reason
+
+
+def fit_ir_version(model: onnx.ModelProto, source: str) -> None:
+    """Lower the IR version to one the installed onnxruntime loads, when the model needs no newer
+    feature: the installed onnx package writes a newer IR version than the ORT release beside it
+    reads (onnx 1.23 writes 14, ORT 1.31 reads up to 13), so a model fresh from onnx.helper would
+    otherwise be refused by every session qtool opens, and so would qtool's own outputs."""
+    from qtool.runtime.sessions import max_ir_version
+
+    newest = max_ir_version()
+    if model.ir_version <= newest:
+        return
+    required, reason = required_ir_version(model)
+    if required > newest:
+        import onnxruntime
+
+        raise ModelError(
+            f"{source}: needs ONNX IR version {required} (for {reason}), but the installed "
+            f"onnxruntime {onnxruntime.__version__} reads IR <= {newest}"
+        )
+    model.ir_version = newest
+
+
+def export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    """Build the module from its factory, load the state_dict safely, export to ONNX in memory."""
+    with phase("exporting PyTorch model"):  # importing torch alone takes seconds
+        return _export_pytorch(spec, inputs)
+
+
+def _export_pytorch(spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    return export_module(build_pytorch_module(spec), spec, inputs)
+
+
+def build_pytorch_module(spec: ModelSpec):
+    """The recipe's nn.Module from its factory, with its weights file loaded (QAT trains it)."""
+    import torch
+
+    factory = load_entry_point(spec.pytorch, "model factory")
+    try:
+        module = factory()
+    except Exception as exc:
+        raise ModelError(f"{spec.pytorch}: factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(f"{spec.pytorch}: factory returned {type(module).__name__}, not nn.Module")
+    if spec.weights is not None:
+        load_weights(module, spec.weights)
+    return module
+
+
+def export_module(module, spec: ModelSpec, inputs: tuple[InputSpec, ...]) -> onnx.ModelProto:
+    """Export `module` (eval mode) to ONNX in memory, the way every PyTorch source is exported."""
+    import torch
+
+    module.eval()
+    examples = tuple(torch.from_numpy(np.zeros(i.shape, dtype=np.dtype(i.dtype))) for i in inputs)
+    names = [i.name for i in inputs]
+    buffer = io.BytesIO()
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe = module(*examples)
+            outputs = probe if isinstance(probe, (tuple, list)) else (probe,)
+            output_names = (
+                ["output"] if len(outputs) == 1 else [f"output_{k}" for k in range(len(outputs))]
+            )
+            dynamic = {n: {0: "batch"} for n in names + output_names}
+            torch.onnx.export(
+                module,
+                examples,
+                buffer,
+                input_names=names,
+                output_names=output_names,
+                opset_version=spec.opset,
+                dynamo=False,
+                dynamic_axes=dynamic,
+                do_constant_folding=True,
+            )
+    except Exception as exc:
+        raise ModelError(f"{spec.pytorch}: export to ONNX failed: {first_line(exc)}") from None
+    return onnx.load_from_string(buffer.getvalue())
+
+
+# torch names the global a refused pickle wanted: "GLOBAL posix.system", "GLOBAL model.DigitsCNN".
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_LISTED = 4  # keys named in a mismatch message; the rest are counted
+
+
+_SCANNED_BYTES = 1 << 20
+
+
+def _foreign_import(path: Path) -> str | None:
+    """The first non-torch global a raw pickle imports, read from its opcodes without running
+    them: torch's loader stops at the first opcode it does not know (protocol 4 framing) before
+    it reaches the global, so its message cannot say why the file is dangerous."""
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_SCANNED_BYTES)
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name == "GLOBAL":
+                name = str(arg).replace(" ", ".")
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                name = f"{strings[-2]}.{strings[-1]}"
+            else:
+                if isinstance(arg, str):
+                    strings.append(arg)
+                continue
+            if not name.startswith(("torch.", "collections.OrderedDict")):
+                return name
+    except Exception:  # not a pickle, or cut off at the scan limit: nothing (more) to name
+        pass
+    return None
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_LISTED])
+    return shown + (f", ... {len(keys) - _LISTED} more" if len(keys) > _LISTED else "")
+
+
+def load_weights(module, path: Path) -> None:
+    """Load a state_dict file into `module`, tensors only, with one line naming what is wrong.
+
+    torch.load(weights_only=True) refuses pickles that would run code, but its messages span
+    paragraphs, come with warnings, and advise weights_only=False, which would run that code: a
+    tool must never pass that on. load_state_dict's mismatch report is many lines too, so the
+    keys and shapes are compared here first.
+    """
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        refused = _REFUSED_GLOBAL.search(str(exc))
+        imported = refused.group(1) if refused is not None else _foreign_import(path)
+        if imported is not None:
+            raise ModelError(
+                f"{path}: refused: loading it would import {imported}; weights files may "
+                "hold only tensors (save them with torch.save(model.state_dict(), path))"
+            ) from None
+        raise ModelError(
+            f"{path}: not a PyTorch state_dict file ({type(exc).__name__}); "
+            "write one with torch.save(model.state_dict(), path)"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise ModelError(
+            f"{path}: holds a {type(state).__name__}, not a state_dict (a mapping of names to "
+            "tensors)"
+        )
+    others = [str(k) for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if others:
+        raise ModelError(
+            f"{path}: not a state_dict: {len(others)} entries are not tensors ({_some(others)}); "
+            "a training checkpoint? save model.state_dict() instead"
+        )
+    expected = module.state_dict()
+    architecture = type(module).__name__
+    missing = [k for k in expected if k not in state]
+    unexpected = [str(k) for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing keys ({_some(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected keys ({_some(unexpected)})")
+        raise ModelError(
+            f"{path}: weights for another architecture than {architecture}: " + ", ".join(parts)
+        )
+    shapes = [
+        f"{k} {list(state[k].shape)} vs {list(v.shape)}"
+        for k, v in expected.items()
+        if tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if shapes:
+        raise ModelError(
+            f"{path}: {len(shapes)} tensors do not fit {architecture} (file vs model): "
+            + _some(shapes)
+        )
+    try:
+        module.load_state_dict(state)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot load weights: {first_line(exc)}") from None
+
+
+def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
+    dims: list[int | str | None] = []
+    for dim in value_info.type.tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
+def check_inputs(model: onnx.ModelProto, inputs: tuple[InputSpec, ...], source: str) -> None:
+    """The recipe's inputs must be exactly the model's graph inputs, with compatible shapes."""
+    initializers = {t.name for t in model.graph.initializer}
+    graph_inputs = {vi.name: vi for vi in model.graph.input if vi.name not in initializers}
+    declared = {i.name for i in inputs}
+    for name in graph_inputs:
+        if name not in declared:
+            raise ModelError(
+                f"{source}: model input '{name}' is not declared in the recipe's inputs"
+            )
+    for spec in inputs:
+        if spec.name not in graph_inputs:
+            known = ", ".join(sorted(graph_inputs)) or "none"
+            raise ModelError(
+                f"recipe inputs.{spec.name}: the model has no such input (inputs: {known})"
+            )
+        vi = graph_inputs[spec.name]
+        elem = vi.type.tensor_type.elem_type
+        if elem != _ONNX_DTYPES[spec.dtype]:
+            actual = onnx.helper.tensor_dtype_to_np_dtype(elem)
+            raise ModelError(
+                f"recipe inputs.{spec.name}: dtype {spec.dtype} but the model expects {actual}"
+            )
+        dims = _dims(vi)
+        if len(dims) != len(spec.shape):
+            raise ModelError(
+                f"recipe inputs.{spec.name}: shape {list(spec.shape)} has rank {len(spec.shape)} "
+                f"but the model expects {dims}"
+            )
+        for axis, (want, have) in enumerate(zip(spec.shape, dims, strict=True)):
+            if axis > 0 and isinstance(have, int) and have != want:
+                raise ModelError(
+                    f"recipe inputs.{spec.name}: shape {list(spec.shape)} does not match the "
+                    f"model's {dims} at axis {axis}"
+                )

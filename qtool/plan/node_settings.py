@@ -1,0 +1,172 @@
+"""Resolve the recipe's defaults, `exclude` and `overrides` into one setting per graph node.
+
+The recipe says things about groups of nodes (op types, name globs); the Plan needs one answer
+per node. This module is the only place that turns the first into the second, so the layout,
+the mixed-precision search (which writes overrides) and the report agree on what a pattern
+meant. A pattern that matches nothing is an error, never a silent no-op: users mix up PyTorch
+module names (`encoder.layer.0.attention`) and the ONNX node names the exporter writes
+(`/encoder/layer.0/attention/...`), and the error suggests the closest real names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import onnx
+
+from qtool.errors import RecipeError
+from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """What the recipe asks for one node, before the layout checks what the graph allows.
+
+    `precision` is "int4" / "int8" (the weight bits, or int8 for ops without weights) or
+    "float"; `activations` "int8" or "float" (weight-only); `weights` is fully resolved.
+    """
+
+    precision: str
+    weights: WeightSettings
+    activations: str
+    source: str  # "default", "excluded", "override", "not-listed"
+    reason: str
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+
+def _normalized(name: str) -> str:
+    """ONNX node name in PyTorch module-path spelling: '/encoder/layer.0/fc/MatMul' ->
+    'encoder.layer.0.fc.MatMul'."""
+    return name.replace("/", ".").strip(".")
+
+
+def closest_names(pattern: str, names: Sequence[str], limit: int = 3) -> list[str]:
+    """Node names a user who wrote `pattern` most likely meant, best first."""
+    stem = pattern.rstrip("*").rstrip(".").rstrip("/")
+    if stem and not any(c in stem for c in "*?["):
+        dotted = _normalized(stem)
+        under = [n for n in names if _normalized(n).startswith(dotted + ".")]
+        if under:
+            return under[:limit]
+    by_spelling = difflib.get_close_matches(pattern, list(names), n=limit, cutoff=0.4)
+    if by_spelling:
+        return by_spelling
+    normalized = {_normalized(n): n for n in names}
+    close = difflib.get_close_matches(_normalized(pattern), list(normalized), n=limit, cutoff=0.4)
+    return [normalized[c] for c in close]
+
+
+def _no_match_error(
+    recipe_path: str, where: str, pattern: str, names: Sequence[str]
+) -> RecipeError:
+    suggestions = closest_names(pattern, names)
+    hint = (
+        "; closest node names: " + ", ".join(repr(s) for s in suggestions)
+        if suggestions
+        else "; no node name is close (see the node names in report.json)"
+    )
+    if "." in pattern and "/" not in pattern:
+        hint += " (ONNX node names use '/', e.g. '/encoder/layer.0/*', not PyTorch's dots)"
+    return RecipeError(f"{recipe_path}: {where}: pattern {pattern!r} matches no node{hint}")
+
+
+def _check_patterns(
+    recipe_path: str, spec: QuantizationSpec, nodes: Sequence[onnx.NodeProto]
+) -> None:
+    names = [node.name for node in nodes]
+    op_types = {node.op_type for node in nodes}
+    for index, pattern in enumerate(spec.exclude):
+        if not any(_matches(name, pattern) for name in names):
+            raise _no_match_error(recipe_path, f"quantization.exclude[{index}]", pattern, names)
+    for override in spec.overrides:
+        for index, pattern in enumerate(override.nodes):
+            if not any(_matches(name, pattern) for name in names):
+                raise _no_match_error(
+                    recipe_path, f"{override.where}.nodes[{index}]", pattern, names
+                )
+        for index, op_type in enumerate(override.op_types):
+            if op_type not in op_types:
+                raise RecipeError(
+                    f"{recipe_path}: {override.where}.op_types[{index}]: the model has no "
+                    f"{op_type} node (it has {', '.join(sorted(op_types))})"
+                )
+        if not any(_selects(override, node) for node in nodes):
+            raise RecipeError(
+                f"{recipe_path}: {override.where}: no node matches both its nodes and op_types"
+            )
+
+
+def _selects(override: Override, node: onnx.NodeProto) -> bool:
+    if override.op_types and node.op_type not in override.op_types:
+        return False
+    return not override.nodes or any(_matches(node.name, p) for p in override.nodes)
+
+
+def _describe(override: Override) -> str:
+    parts = []
+    if override.precision is not None:
+        parts.append(f"precision {override.precision}")
+    fields = [
+        f"{key} {getattr(override.weights, key)}"
+        for key in ("bits", "granularity", "block_size", "method", "symmetric")
+        if getattr(override.weights, key) is not None
+    ]
+    if fields:
+        parts.append("weights " + ", ".join(fields))
+    if override.activations is not None:
+        parts.append(f"activations {override.activations}")
+    return f"{override.where} ({'; '.join(parts) or 'no change'})"
+
+
+def resolve_node_settings(
+    model: onnx.ModelProto, spec: QuantizationSpec, recipe_path: str = "recipe"
+) -> dict[str, NodeSettings]:
+    """Node name -> its settings: defaults, then `exclude`, then every override in order."""
+    nodes = list(model.graph.node)
+    _check_patterns(recipe_path, spec, nodes)
+    listed = set(spec.op_types)
+    settings: dict[str, NodeSettings] = {}
+    for node in nodes:
+        weights = spec.weights
+        activations = spec.activations
+        quantized = node.op_type in listed
+        source = "default" if quantized else "not-listed"
+        reason = (
+            f"{node.op_type} is in quantization.op_types"
+            if quantized
+            else "op type not listed in quantization.op_types"
+        )
+        excluded_by = next((p for p in spec.exclude if _matches(node.name, p)), None)
+        if excluded_by is not None:
+            quantized, source = False, "excluded"
+            reason = f"excluded by quantization.exclude pattern '{excluded_by}'"
+        applied = []
+        for override in spec.overrides:
+            if not _selects(override, node):
+                continue
+            applied.append(_describe(override))
+            weights = weights.layered(override.weights)
+            if override.activations is not None:
+                activations = override.activations
+            if override.precision == "float":
+                quantized = False
+            elif override.precision is not None or override.weights.bits is not None:
+                quantized = True
+        if applied:
+            source = "override"
+            reason = "set by " + ", then ".join(applied)
+        resolved = weights.resolved()
+        if not quantized:
+            precision = "float"
+        else:
+            precision = "int4" if resolved.bits == 4 else "int8"
+        if activations is None:
+            activations = "float" if precision == "int4" else "int8"
+        settings[node.name] = NodeSettings(precision, resolved, activations, source, reason)
+    return settings

@@ -1,0 +1,179 @@
+"""The verify stage: what ONNX Runtime really runs, written into the Plan before the report.
+
+A QDQ model states intentions; ORT's CPU provider decides what runs. This stage loads the written
+model the way ORT will run it (qtool.runtime.fusion reads ORT's optimised graph), records in
+every quantized NodePlan whether ORT fused it and into what, and compares the fused outputs with
+the unfused QDQ semantics on a few calibration batches, so a saturating kernel or an unfused
+node is reported instead of discovered in production.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qtool.metrics.evaluate import latency_feed, measure_latency
+from qtool.plan.plan import NodePlan, Plan
+from qtool.runtime.cpu import CpuFeatures, detect_cpu
+from qtool.runtime.fusion import (
+    FUSED,
+    OptimizedSession,
+    compare_fused_unfused,
+    fusion_summary,
+    fusion_truth,
+    optimized_session,
+)
+from qtool.runtime.sessions import create_session
+
+if TYPE_CHECKING:
+    import onnxruntime
+
+# Fused outputs this far below the unfused QDQ semantics mean the integer kernels do something
+# the QDQ graph does not say (saturation, or a fusion that changes the arithmetic).
+FUSED_GAP_WARN_DB = 30.0
+
+
+@dataclass
+class Verification:
+    summary: dict  # fusion_summary plus the fused-vs-unfused comparison
+    warnings: list[str] = field(default_factory=list)
+
+
+def _json_db(value: float) -> float | str:
+    return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+
+
+def _written_op_type(node: NodePlan, target: str) -> str:
+    """The op the writer emitted for a planned node (a fused embedding table is rewritten)."""
+    if node.op_type == "Gather" and node.weight is not None and target == "ort-cpu":
+        if node.weight.block_size is not None:
+            return "GatherBlockQuantized"
+    return node.op_type
+
+
+def _weight_only_reason(node: NodePlan) -> str:
+    """Why a weight-only node runs in float, in the words a user deciding on INT4 needs."""
+    weight = node.weight
+    bits = weight.bits if weight is not None else 8
+    if node.op_type == "Conv":
+        return (
+            f"ORT has no {bits}-bit Conv kernel: it dequantizes the weight and runs the float "
+            "Conv (smaller file, float speed)"
+        )
+    if node.op_type in ("MatMul", "Gemm") and weight is not None:
+        if weight.block_size is None:
+            why = "the weight is per channel; MatMulNBits needs blocks along K"
+        elif weight.block_size < 16 or weight.block_size & (weight.block_size - 1):
+            why = f"block size {weight.block_size} is not a power of two >= 16"
+        elif weight.axis != 0:
+            why = "the blocks do not run along K of a [K, N] weight"
+        else:
+            why = "ORT did not form MatMulNBits here (a weight shared by several nodes, or a "
+            why += "non-default Gemm alpha/beta)"
+        return f"{why}: ORT runs the float op on the dequantized weight (smaller file, float speed)"
+    if node.op_type == "Gather":
+        return (
+            "the table is dequantized and gathered in float (standard ONNX form, ORT fuses only "
+            "com.microsoft GatherBlockQuantized)"
+        )
+    return "ORT runs the float op on the dequantized weight (smaller file, float speed)"
+
+
+# Interleaved batch-1 runs per model for the low-bit speed check: enough to tell "faster" from
+# "only smaller" (the verdict needs a 5% margin), few enough to cost seconds on MiniLM.
+SPEED_RUNS = 20
+FASTER_MARGIN = 1.05
+
+
+def low_bit_speed(
+    float_model: bytes | Path,
+    quantized: onnxruntime.InferenceSession,
+    feed: dict[str, np.ndarray],
+    cpu,
+    threads: int,
+) -> dict:
+    """Is the low-bit model faster than FP32 on this CPU, or only smaller? Measured, batch 1,
+    with `quantized`: the verify stage's own session of it (the same settings, `threads`)."""
+    sessions = [create_session(float_model, threads=threads), quantized]
+    single, _ = latency_feed(feed, [i.shape for i in sessions[0].get_inputs()])
+    (fp32_ms, _), (quant_ms, _) = measure_latency(sessions, single, SPEED_RUNS)
+    speedup = fp32_ms / quant_ms if quant_ms > 0 else float("inf")
+    verdict = "faster" if speedup >= FASTER_MARGIN else "only smaller: no speed-up on this CPU"
+    return {
+        "cpu": cpu.describe(),
+        "threads": threads,
+        "batch": next(iter(single.values())).shape[0] if single else 1,
+        "runs": SPEED_RUNS,
+        "fp32_ms_median": fp32_ms,
+        "quant_ms_median": quant_ms,
+        "speedup": speedup,
+        "verdict": verdict,
+    }
+
+
+def verify(
+    quantized: bytes | Path,
+    plan: Plan,
+    feeds: Sequence[dict[str, np.ndarray]],
+    target_cpu: CpuFeatures,
+    threads: int = 1,
+    target: str = "ort-cpu",
+    float_model: bytes | Path | None = None,
+    loaded: OptimizedSession | None = None,
+) -> Verification:
+    """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
+
+    `quantized`: the serialized model, or its path (models with external data, over 2 GB).
+    `loaded`: its optimized_session with `threads`, when the caller loaded it already."""
+    if loaded is None:
+        loaded = optimized_session(quantized, threads)
+    planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
+    truth = fusion_truth(quantized, planned, threads, loaded.graph)
+    weight_only = set()
+    for name, runtime in truth.items():
+        node = plan[name]
+        if node.activations == "float" and runtime.status != FUSED:
+            runtime = replace(runtime, reason=_weight_only_reason(node))
+            weight_only.add(name)
+        truth[name] = runtime
+        node.runtime = runtime.to_dict()
+    summary = fusion_summary(truth)
+    warnings = [
+        f"{entry['name']} ({entry['op_type']}) runs as {entry['runs_as'] or 'nothing'} "
+        f"in float, not fused: {entry['reason'] or 'no known ORT rule explains it'}"
+        for entry in summary["unfused"]
+        if entry["name"] not in weight_only
+    ]
+    here = detect_cpu()
+    sqnr = compare_fused_unfused(quantized, feeds, threads, loaded.session)
+    summary["fused_vs_unfused_sqnr_db"] = {name: _json_db(v) for name, v in sqnr.items()}
+    summary["verified_on_cpu"] = here.to_dict()
+    for name, value in sqnr.items():
+        if value < FUSED_GAP_WARN_DB:
+            cause = (
+                "this CPU has no VNNI and its uint8 x int8 kernels saturate 16-bit pair sums"
+                if here.u8s8_saturates
+                else "ORT's integer kernels compute differently from the QDQ graph"
+            )
+            warnings.append(
+                f"output {name!r}: fused ORT run is only {value:.1f} dB from the unfused QDQ "
+                f"semantics on calibration data ({cause})"
+            )
+    if float_model is not None and any(
+        n.weight is not None and (n.precision == "int4" or n.activations == "float")
+        for n in plan.quantized()
+    ):
+        summary["low_bit_speed"] = low_bit_speed(
+            float_model, loaded.session, feeds[0], here, threads
+        )
+    if here.u8s8_saturates != target_cpu.u8s8_saturates:
+        warnings.append(
+            f"verified on this machine ({here.describe()}), but the model was quantized for "
+            f"{target_cpu.source}: fused results on the target CPU may differ"
+        )
+    return Verification(summary, warnings)

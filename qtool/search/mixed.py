@@ -1,0 +1,457 @@
+"""The mixed-precision stage of `qtool quantize`: analyse, choose, verify, hand the plan on.
+
+1. `qtool analyze`'s one-at-a-time measurements (its cache: a rerun measures nothing) give each
+   node's penalty at each candidate precision on the analysis subset;
+2. the QDQ writer builds the all-int8 and all-int4 models once, giving each node's bytes at
+   each precision (costs.py);
+3. the exact multiple-choice knapsack picks the smallest plan whose summed penalties fit the
+   budget;
+4. verify-and-promote (search.py) scores it on the full evaluation set as `qtool evaluate`
+   would gate it, promoting nodes until it passes or no more plans may be tried.
+
+The chosen plan is the recipe plus one `overrides:` entry per precision, so the pipeline writes
+it with its ordinary stages (writer, verify, report) and plan.yaml reproduces it exactly. When
+no plan meets the budget, the best one measured is written as model.failed.onnx and
+plan.failed.yaml, report.json says why, and the CLI exits 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+from rich.console import Console
+
+from qtool.calibration.hessian_file import load_hessians
+from qtool.calibration.stats_file import load_stats
+from qtool.config.recipe import Recipe
+from qtool.data.batches import Batch, iter_batches
+from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
+from qtool.metrics.evaluate import latency_feed, measure_latency
+from qtool.phases import phase
+from qtool.plan.settings import Override
+from qtool.runtime.cpu import resolve_cpu
+from qtool.runtime.profile import NodeTimes, node_times
+from qtool.runtime.sessions import create_session
+from qtool.search import costs
+from qtool.search.budget import Budget, resolve_budget
+from qtool.search.candidates import ORDER, model_candidates, node_candidates
+from qtool.search.knapsack import Choice, solve
+from qtool.search.mixed_report import iteration_line, mixed_block
+from qtool.search.plan_file import plan_yaml
+from qtool.search.promote import Measured, SearchResult, verify_and_promote
+from qtool.search.result import SensitivityResult
+from qtool.search.scoring import Scorer, choose_metric
+from qtool.search.sensitivity import analyze
+from qtool.search.spec import MixedPrecisionSpec
+from qtool.search.variants import Assembler, pin
+
+if TYPE_CHECKING:  # pipeline imports this module inside its quantize stage (no cycle)
+    from qtool.app.pipeline import PreparedModel
+
+LATENCY_RUNS = 30
+PROFILE_RUNS = 20  # profiled runs per uniform model (median per node) for objective: latency
+ANALYSIS_MODES = ("one-at-a-time",)
+
+
+@dataclass
+class MixedOutcome:
+    """What the pipeline needs from the stage: where to write the model, the extra files
+    (plan.yaml), and report.json's `mixed_precision` block."""
+
+    passed: bool
+    model_path: Path
+    files: dict[Path, bytes]
+    block: dict
+    notes: list[str] = field(default_factory=list)
+    # The models the block measured (float, int8, int4, chosen), with keep_models only.
+    models: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class _Problem:
+    """The search's inputs: per-node choices (cost to minimise, penalty), the same choices
+    priced in bytes (the predicted size), the models that priced them, and with the latency
+    objective their per-node profiles (precision -> runtime.profile.NodeTimes)."""
+
+    options: dict[str, list[Choice]]
+    sizes: dict[str, list[Choice]]
+    float_size: int
+    references: dict[str, tuple[bytes, dict[str, str]]]  # precision -> (model, plan)
+    profiles: dict[str, NodeTimes] = field(default_factory=dict)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _pins(plan: Mapping[str, str]) -> list[Override]:
+    """One override per precision, in a fixed order, naming its nodes in graph order."""
+    pins = []
+    for precision in ORDER:
+        names = [node for node, p in plan.items() if p == precision]
+        if names:
+            pins.append(pin(names, precision, f"mixed_precision ({precision})"))
+    return pins
+
+
+def _evaluation_batches(recipe: Recipe) -> list[Batch]:
+    spec = recipe.evaluation
+    batches = list(iter_batches(spec.data, recipe.inputs, spec.batch_size, None, recipe.seed))
+    if not batches:
+        raise DataError(f"{spec.data.where}: the evaluation data is empty")
+    return batches
+
+
+def _assembler(recipe: Recipe, prepared: PreparedModel, stats_path: Path) -> Assembler:
+    """An assembler on the statistics the analysis used (it calibrated them when there were
+    none)."""
+    stats, fingerprint = load_stats(stats_path)
+    if fingerprint != prepared.fingerprint:
+        raise CalibrationError(
+            f"{stats_path}: collected on a different model than {recipe.path} describes "
+            "(re-run `qtool calibrate`)"
+        )
+    hessians = {}
+    if prepared.layout.hessian_tensors():
+        path = stats_path.parent / "hessians.npz"
+        if path.is_file():
+            hessians = load_hessians(path, prepared.fingerprint)
+    return Assembler(
+        recipe, prepared.model, stats, hessians, cpu=resolve_cpu(recipe.quantization.cpu)
+    )
+
+
+def _op_types(model: bytes, names: Sequence[str]) -> dict[str, str]:
+    """Each planned node's op type as written in `model` (a 4-bit MatMul is MatMulNBits)."""
+    written = {n.name: n.op_type for n in onnx.load_model_from_string(model).graph.node}
+    return {name: written[name] for name in names}
+
+
+def _profiles(
+    prepared: PreparedModel,
+    references: Mapping[str, tuple[bytes, dict[str, str]]],
+    names: Sequence[str],
+    feed: Mapping[str, np.ndarray],
+) -> dict[str, NodeTimes]:
+    """Per-node medians (runtime/profile) on the float model and on each all-int8 / all-int4
+    model: a node's time at a precision is read from the uniform model that runs it so."""
+    models = {"float": prepared.serialized}
+    models.update({p: model for p, (model, _) in references.items()})
+    return {
+        precision: node_times(model, _op_types(model, names), feed, PROFILE_RUNS)
+        for precision, model in models.items()
+    }
+
+
+def _problem(
+    recipe: Recipe,
+    prepared: PreparedModel,
+    analysis: SensitivityResult,
+    assembler: Assembler,
+    candidates: Sequence[str],
+    explicit: bool,
+    notes: list[str],
+    feed: Mapping[str, np.ndarray] | None = None,
+) -> _Problem:
+    """Each node's choices: its candidates that were measured and that the layout really gives
+    it, priced in bytes from the all-int8 and all-int4 models the writer builds, and with a
+    `feed` (the latency objective) in profiled microseconds on those models and the float one."""
+    target = recipe.quantization.target
+    units = analysis.nodes
+    names = [u.name for u in units]
+    allowed: dict[str, list[str]] = {}
+    for unit in units:
+        allowed[unit.name] = [
+            p
+            for p in node_candidates(
+                candidates, unit.op_type, unit.weight is not None, target, explicit
+            )
+            if analysis.penalty(unit.name, p) is not None
+        ]
+    inputs = {name: costs.constant_inputs(prepared.model, name) for name in names}
+    prices: dict[str, dict[str, int]] = {
+        name: {"float": costs.node_bytes(prepared.model, inputs[name])} for name in names
+    }
+    references: dict[str, tuple[bytes, dict[str, str]]] = {}
+    for precision in ("int8", "int4"):
+        chosen = [name for name in names if precision in allowed[name]]
+        if not chosen:
+            continue
+        # The uniform plan of this precision; for int4, int8 where int4 is not a candidate
+        # (the all-int4 model a user would compare with), float where neither is.
+        plan = {}
+        for name in names:
+            fallback = "int8" if "int8" in allowed[name] and precision == "int4" else "float"
+            plan[name] = precision if name in chosen else fallback
+        layout = assembler.layout(_pins(plan))
+        for name in chosen:
+            planned = layout.plan[name]
+            if planned.precision != precision:
+                allowed[name].remove(precision)
+                notes.append(f"{name}: no {precision} candidate ({planned.reason})")
+        problem = assembler.missing(layout)
+        if problem is not None:
+            raise CalibrationError(
+                f"{recipe.stats_path}: cannot build the all-{precision} plan: {problem} "
+                "(delete the stats file so that the search calibrates every tensor it needs)"
+            )
+        model = assembler.build(layout)
+        references[precision] = (model.SerializeToString(), plan)
+        for name in chosen:
+            prices[name][precision] = costs.node_bytes(model, inputs[name])
+    profiles = _profiles(prepared, references, names, feed) if feed is not None else {}
+    sizes: dict[str, list[Choice]] = {}
+    options: dict[str, list[Choice]] = {}
+    for name in names:
+        usable = [p for p in ("float", "int8", "int4") if p in allowed[name] and p in prices[name]]
+        if not usable:
+            raise RecipeError(
+                f"{recipe.path}: mixed_precision: node {name!r} has no usable candidate among "
+                f"{', '.join(candidates)} (add float to mixed_precision.candidates)"
+            )
+        sizes[name] = [Choice(p, float(prices[name][p]), analysis.penalty(name, p)) for p in usable]
+        options[name] = sizes[name]
+        if profiles:
+            options[name] = [
+                Choice(p, profiles[p].nodes[name], analysis.penalty(name, p)) for p in usable
+            ]
+    return _Problem(options, sizes, len(prepared.serialized), references, profiles)
+
+
+def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | None:
+    """The profiler's sum for `plan`: the float model's time outside the planned nodes plus
+    each node's time at its precision; beside it the uniform models' profiled totals."""
+    if not problem.profiles:
+        return None
+    rest = problem.profiles["float"].other_us
+    nodes = sum(problem.profiles[p].nodes[n] for n, p in plan.items())
+    return {
+        "profiled_us": round(rest + nodes, 2),
+        "planned_nodes_us": round(nodes, 2),
+        "other_us": round(rest, 2),
+        "uniform_profiled_us": {p: round(t.total_us, 2) for p, t in problem.profiles.items()},
+        "runs": PROFILE_RUNS,
+        "threads": 1,
+    }
+
+
+def _start(problem: _Problem, budget: Budget, notes: list[str]) -> tuple[dict[str, str], str]:
+    plan = solve(problem.options, budget.penalty)
+    if plan is not None:
+        return {n: c.precision for n, c in plan.items()}, "knapsack plan"
+    notes.append(
+        "the analysis predicts no plan within the budget: the search starts from each node's "
+        "least-penalty candidate"
+    )
+    start = {
+        n: min(choices, key=lambda c: (max(c.penalty, 0.0), -ORDER.index(c.precision))).precision
+        for n, choices in problem.options.items()
+    }
+    return start, "least-penalty plan"
+
+
+def _feed(model: bytes, batches: Sequence[Batch]) -> dict[str, np.ndarray]:
+    """The batch-1 feed every latency here is timed on (the fixed batch where the model has
+    one)."""
+    shapes = [i.shape for i in create_session(model, threads=1).get_inputs()]
+    return latency_feed(batches[0].inputs, shapes)[0]
+
+
+def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dict:
+    """Median latency of the float, the all-int8 and the chosen model, measured here with one
+    intra-op thread (stable on a shared machine), sessions alternated run by run."""
+    labels = list(models)
+    sessions = [create_session(models[k], threads=1) for k in labels]
+    timings = dict(zip(labels, measure_latency(sessions, dict(feed), LATENCY_RUNS), strict=True))
+    float_ms, model_ms = timings["float"][0], timings["chosen"][0]
+    block = {
+        "batch": int(next(iter(feed.values())).shape[0]),
+        "runs": LATENCY_RUNS,
+        "threads": 1,
+        "float_ms_median": float_ms,
+        "model_ms_median": model_ms,
+        "speedup": float_ms / model_ms if model_ms > 0 else None,
+    }
+    if "int8" in timings:
+        int8_ms = timings["int8"][0]
+        block["int8_ms_median"] = int8_ms
+        block["vs_int8"] = int8_ms / model_ms if model_ms > 0 else None
+    return block
+
+
+def search_stage(
+    recipe: Recipe,
+    prepared: PreparedModel,
+    stats_path: Path | None,
+    progress: bool = True,
+    console: Console | None = None,
+    keep_models: bool = False,
+) -> tuple[Recipe, PreparedModel, Path, MixedOutcome]:
+    """Choose the per-node precisions; return the recipe and prepared model with the chosen
+    plan (as overrides), the stats file to quantize with, and the outcome to report.
+    `keep_models`: keep the measured models in the outcome (benchmarks time them)."""
+    console = console or Console()
+    spec = recipe.mixed_precision or MixedPrecisionSpec()
+    if recipe.evaluation is None:
+        raise RecipeError(
+            f"{recipe.path}: evaluation: is required for mixed precision (plans are verified on "
+            "its data)"
+        )
+    if prepared.serialized is None:
+        raise ModelError(
+            f"{recipe.path}: mixed precision does not support models stored as external data "
+            "(over 2 GB) yet"
+        )
+    notes: list[str] = []
+    explicit = spec.candidates is not None
+    candidates = model_candidates(recipe, _opset(prepared.model), notes)
+    batches = _evaluation_batches(recipe)
+    labelled = batches[0].labels is not None
+    budget = resolve_budget(spec, recipe.evaluation, labelled, str(recipe.path))
+    # Passed to analyze only where it differs from the gate analyze picks by itself, so that a
+    # plain `qtool analyze` run and this one share their cache.
+    default = choose_metric(recipe.evaluation, labelled, "", None).name
+    requested = None if default == budget.metric else budget.metric
+    analysis = analyze(
+        recipe,
+        stats_path=stats_path,
+        modes=ANALYSIS_MODES,
+        candidates=tuple(p for p in candidates if p != "float"),
+        samples=spec.samples,
+        metric=requested,
+        progress=progress,
+        prepared=prepared,
+    )
+    notes.extend(analysis.notes)
+    algorithms = [name for name, _ in recipe.quantization.algorithms]
+    if algorithms:
+        notes.append(
+            f"quantization.algorithms ({', '.join(algorithms)}) run on the chosen plan after the "
+            "search: the predicted and measured numbers are for the plan without them"
+        )
+    stats_path = stats_path or recipe.stats_path
+    assembler = _assembler(recipe, prepared, stats_path)
+    feed = _feed(prepared.serialized, batches)
+    timed = feed if spec.objective == "latency" else None
+    with phase("pricing each node's precisions"):
+        problem = _problem(
+            recipe, prepared, analysis, assembler, candidates, explicit, notes, timed
+        )
+    start, action = _start(problem, budget, notes)
+    scorer = Scorer(prepared.serialized, batches, recipe.evaluation, budget.metric)
+    console.print(
+        f"mixed precision: minimise {spec.objective} within {budget.describe()}; float "
+        f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples",
+        highlight=False,
+        markup=False,
+    )
+    built: dict[tuple, tuple[tuple[float, int], bytes]] = {}
+
+    def measure(plan: Mapping[str, str]) -> Measured:
+        layout = assembler.layout(_pins(plan))
+        problem = assembler.missing(layout)
+        if problem is not None:
+            raise CalibrationError(
+                f"{stats_path}: cannot build a mixed plan: {problem} (the statistics the "
+                "analysis calibrated do not cover this combination of precisions)"
+            )
+        model = assembler.build(layout).SerializeToString()
+        score = scorer.score(model)
+        measured = Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
+        # Kept: this plan (it may pass) and the best so far (the failed plan, if none passes).
+        key = tuple(sorted(plan.items()))
+        best = min(built.items(), key=lambda kv: kv[1][0], default=None)
+        built.clear()
+        if best is not None:
+            built[best[0]] = best[1]
+        built[key] = ((measured.penalty, measured.size), model)
+        return measured
+
+    with phase("verifying mixed-precision plans"):
+        result = verify_and_promote(
+            start,
+            problem.options,
+            analysis,
+            budget,
+            scorer.float_value,
+            problem.float_size,
+            measure,
+            spec.max_iterations,
+            action,
+            sizes=problem.sizes,
+            report=lambda it: console.print(
+                iteration_line(it, budget, scorer.float_value), highlight=False, markup=False
+            ),
+        )
+    chosen = result.chosen
+    model_bytes = built[tuple(sorted(chosen.precisions.items()))][1]
+    references = {}
+    for precision, (reference, _) in problem.references.items():
+        score = scorer.score(reference)
+        references[precision] = {"size_bytes": len(reference), "metric": score.value}
+    references["float"] = {"size_bytes": problem.float_size, "metric": scorer.float_value}
+    with phase("measuring latency"):
+        timed_models = {"float": prepared.serialized, "chosen": model_bytes}
+        if "int8" in problem.references:
+            timed_models["int8"] = problem.references["int8"][0]
+        latency = _latency(timed_models, feed)
+    predicted_latency = _predicted_latency(problem, chosen.precisions)
+    if predicted_latency is not None:
+        notes.append(
+            "latency per node: medians of ONNX Runtime's profiler over "
+            f"{PROFILE_RUNS} runs, one intra-op thread, on this machine; profiled sums exclude "
+            "session overhead and are noisy on a shared machine"
+        )
+
+    extra = _pins(chosen.precisions)
+    quantization = dataclasses.replace(
+        recipe.quantization, overrides=tuple(recipe.quantization.overrides) + tuple(extra)
+    )
+    chosen_recipe = dataclasses.replace(recipe, quantization=quantization)
+    layout = assembler.layout(extra)
+    chosen_prepared = dataclasses.replace(prepared, layout=layout)
+    out = recipe.output_dir
+    if result.passed:
+        plan_path, model_path = out / "plan.yaml", chosen_recipe.quant_model_path
+        heading = "the plan `qtool quantize --auto` chose"
+    else:
+        plan_path, model_path = out / "plan.failed.yaml", out / "model.failed.onnx"
+        heading = "FAILED: the best plan `qtool quantize --auto` found; it misses the budget"
+    comments = [
+        f"qtool mixed precision of {recipe.path}: {heading} ({budget.describe()}).",
+        f"measured {scorer.metric.name} {chosen.measured.value:.6g} (float "
+        f"{scorer.float_value:.6g}) on {scorer.samples} evaluation samples.",
+    ]
+    text = plan_yaml(prepared.model, quantization, layout.plan, comments)
+    block = mixed_block(
+        spec,
+        budget,
+        scorer,
+        analysis,
+        candidates,
+        problem.sizes,
+        result,
+        references,
+        latency,
+        {"plan": str(plan_path), "model": str(model_path)},
+        notes,
+        problem.options if problem.profiles else None,
+        predicted_latency,
+    )
+    models = {}
+    if keep_models:
+        models = {"float": prepared.serialized, "chosen": model_bytes}
+        models.update({p: reference for p, (reference, _) in problem.references.items()})
+    outcome = MixedOutcome(
+        result.passed, model_path, {plan_path: text.encode()}, block, notes, models
+    )
+    return chosen_recipe, chosen_prepared, stats_path, outcome
+
+
+__all__ = ["MixedOutcome", "SearchResult", "search_stage"]

@@ -1,0 +1,171 @@
+"""Score a model variant on the analysis subset with the metric `qtool evaluate` gates on.
+
+The float model runs once and its gated output is kept; every variant then runs fused (as ONNX
+Runtime deploys it, the model the gates judge) on the same batches and is compared with the
+accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would report on
+these samples. Each metric also has a *penalty* that is 0 for the float model and grows as the
+variant gets worse, in units where penalties of separate nodes roughly add up (points of
+accuracy or agreement, 1 - cosine, noise-to-signal power): the mixed-precision search sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from qtool.data.batches import Batch
+from qtool.errors import DataError, ModelError, RecipeError
+from qtool.metrics.evaluate import Fidelity
+from qtool.metrics.spec import EvaluationSpec
+from qtool.runtime.sessions import create_session
+
+METRICS = ("accuracy", "agreement", "cosine", "sqnr")
+_UNITS = {
+    "accuracy": "points of accuracy lost vs float",
+    "agreement": "points of top-1 disagreement with float",
+    "cosine": "1 - cosine to float",
+    "sqnr": "noise-to-signal power ratio (10^(-SQNR/10))",
+}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """The number a variant is judged by, and where that choice came from (said in the output)."""
+
+    name: str  # one of METRICS
+    output: str  # the gated model output
+    source: str
+
+    @property
+    def penalty_unit(self) -> str:
+        return _UNITS[self.name]
+
+    @property
+    def value_unit(self) -> str:
+        return {"accuracy": "%", "agreement": "%", "cosine": "", "sqnr": "dB"}[self.name]
+
+    def describe(self) -> str:
+        what = {
+            "accuracy": "accuracy",
+            "agreement": "top-1 agreement with float",
+            "cosine": "cosine to float",
+            "sqnr": "SQNR vs float",
+        }[self.name]
+        return f"{what} of output {self.output!r} ({self.source}); penalty: {self.penalty_unit}"
+
+    def penalty(self, value: float, float_value: float) -> float:
+        """How much worse than float `value` is (0 for float itself; may be negative)."""
+        if self.name in ("accuracy", "agreement"):
+            return float_value - value
+        if self.name == "cosine":
+            return 1.0 - value
+        return 0.0 if math.isinf(value) and value > 0 else 10.0 ** (-value / 10.0)
+
+
+def choose_metric(
+    evaluation: EvaluationSpec, labelled: bool, output: str, requested: str | None = None
+) -> Metric:
+    """The gate `qtool evaluate` would judge, one of them: an explicit metric (--metric, then
+    evaluation.metric) wins; then max_drop's metric, min_cosine, min_sqnr; else accuracy with
+    labels and top-1 agreement without."""
+    if requested is not None:
+        if requested not in METRICS:
+            raise RecipeError(f"--metric: must be one of {', '.join(METRICS)}, got {requested!r}")
+        name, source = requested, "--metric"
+    elif evaluation.metric is not None:
+        name, source = evaluation.metric, "evaluation.metric"
+    elif evaluation.max_drop is None and evaluation.min_cosine is not None:
+        name, source = "cosine", "evaluation.min_cosine"
+    elif evaluation.max_drop is None and evaluation.min_sqnr is not None:
+        name, source = "sqnr", "evaluation.min_sqnr"
+    elif labelled:
+        name, source = "accuracy", "the evaluation data has labels"
+    else:
+        name, source = "agreement", "the evaluation data has no labels"
+    if name == "accuracy" and not labelled:
+        raise DataError(f"{source}: accuracy needs labels, but the evaluation data has none")
+    return Metric(name, output, source)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One variant on the analysis subset: the metric's value and penalty, with SQNR and cosine
+    of the gated output for reference."""
+
+    value: float
+    penalty: float
+    sqnr_db: float
+    cosine: float
+
+
+class Scorer:
+    """The float model's gated output on the analysis batches, and the metric to compare with."""
+
+    def __init__(
+        self,
+        float_model: bytes,
+        batches: Sequence[Batch],
+        evaluation: EvaluationSpec,
+        requested_metric: str | None = None,
+        threads: int | None = None,
+    ) -> None:
+        if not batches:
+            raise DataError(f"{evaluation.data.where}: the analysis subset is empty")
+        self.batches = list(batches)
+        self.threads = threads
+        session = create_session(float_model, threads=threads, optimize=True)
+        names = [o.name for o in session.get_outputs()]
+        output = evaluation.output or names[0]
+        if output not in names:
+            raise ModelError(
+                f"evaluation.output {output!r}: the model has no such output "
+                f"(outputs: {', '.join(names)})"
+            )
+        labelled = self.batches[0].labels is not None
+        self.metric = choose_metric(evaluation, labelled, output, requested_metric)
+        self.reference = [session.run([output], b.inputs)[0] for b in self.batches]
+        if self.metric.name in ("accuracy", "agreement") and self.reference[0].ndim < 2:
+            raise DataError(
+                f"output {output!r} has shape {self.reference[0].shape}: no class axis for "
+                f"{self.metric.name} ({self.metric.source}); analyze with --metric cosine"
+            )
+        self.samples = sum(len(b) for b in self.batches)
+        self.labelled = self.metric.name == "accuracy"
+        if self.labelled:
+            correct = sum(
+                int(np.count_nonzero(np.argmax(ref, axis=-1) == b.labels))
+                for ref, b in zip(self.reference, self.batches, strict=True)
+            )
+            predictions = sum(int(np.argmax(ref, axis=-1).size) for ref in self.reference)
+            self.float_value = 100.0 * correct / predictions
+        else:
+            self.float_value = {"agreement": 100.0, "cosine": 1.0, "sqnr": math.inf}[
+                self.metric.name
+            ]
+
+    def score(self, model: bytes) -> Score:
+        """Run `model` fused over the analysis batches and compare its gated output."""
+        session = create_session(model, threads=self.threads, optimize=True)
+        fidelity = Fidelity()
+        for ref, batch in zip(self.reference, self.batches, strict=True):
+            out = session.run([self.metric.output], batch.inputs)[0]
+            if out.shape != ref.shape:
+                raise ModelError(
+                    f"output {self.metric.output!r} has shape {out.shape} in a variant but "
+                    f"{ref.shape} in the float model"
+                )
+            fidelity.update(ref, out, batch.labels if self.labelled else None)
+        metrics = fidelity.metrics(self.labelled)
+        if self.metric.name == "accuracy":
+            value = 100.0 * metrics.accuracy
+        elif self.metric.name == "agreement":
+            value = 100.0 * metrics.agreement
+        elif self.metric.name == "cosine":
+            value = metrics.cosine
+        else:
+            value = metrics.sqnr_db
+        penalty = self.metric.penalty(value, self.float_value)
+        return Score(value, penalty, metrics.sqnr_db, metrics.cosine)

@@ -1,0 +1,105 @@
+"""Turn a Layout, calibration statistics and the float weights into the numbers the writer stores.
+
+Three small steps kept apart from the pipeline so each can be reused (analysis and QAT will
+re-run them per node): activation scales from the ranges, weights in the format the deployment
+CPU needs (weight_format.py, which records its choice in the Plan), and int32 biases whose scale
+is input scale x weight scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.algorithms.gptq import HessianAccumulator
+from qtool.calibration.observers import TensorStats
+from qtool.calibration.ranges import compute_range
+from qtool.calibration.spec import CalibrationSpec
+from qtool.errors import CalibrationError
+from qtool.plan.layout import Layout
+from qtool.plan.settings import QuantizationSpec
+from qtool.runtime.cpu import CpuFeatures
+from qtool.write.int4 import BlockwiseWeight
+from qtool.write.low_bit import quantize_low_bit
+from qtool.write.params import ActivationParams, WeightParams, activation_params, quantize_bias
+from qtool.write.qdq import BiasParams
+from qtool.write.weight_format import choose_weight
+
+
+def activation_parameters(
+    layout: Layout,
+    stats: dict[str, TensorStats],
+    calibration: CalibrationSpec,
+    symmetric: bool,
+    device: str,
+) -> dict[str, ActivationParams]:
+    activations: dict[str, ActivationParams] = {}
+    for tensor, slot in layout.activations.items():
+        if slot.stats_tensor not in stats:
+            raise CalibrationError(f"stats file has no statistics for tensor '{slot.stats_tensor}'")
+        low, high = compute_range(
+            stats[slot.stats_tensor],
+            calibration.method,
+            symmetric,
+            calibration.percentile,
+            device,
+        )
+        activations[tensor] = activation_params(low, high, symmetric)
+    return activations
+
+
+def integer_kernel_weights(layout: Layout) -> set[str]:
+    """Weights an integer kernel multiplies with uint8 activations: int8 per channel / tensor
+    on a node whose activations are quantized. Only these can saturate 16-bit pair sums."""
+    return {
+        node.weight.tensor
+        for node in layout.plan
+        if node.weight is not None
+        and node.activations == "int8"
+        and node.weight.bits == 8
+        and node.weight.block_size is None
+    }
+
+
+def weight_parameters(
+    model: onnx.ModelProto,
+    layout: Layout,
+    spec: QuantizationSpec,
+    cpu: CpuFeatures,
+    device: str,
+    hessians: dict[str, HessianAccumulator] | None = None,
+) -> dict[str, WeightParams | BlockwiseWeight]:
+    """Every planned weight in its stored form; `hessians` maps layer inputs (Layout.gptq_inputs)
+    to their calibration Hessians for the weights whose method is gptq."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    plans = layout.plan.weight_plans()
+    integer = integer_kernel_weights(layout)
+    hessians = hessians or {}
+    weights: dict[str, WeightParams | BlockwiseWeight] = {}
+    for name, slot in layout.weights.items():
+        array = numpy_helper.to_array(initializers[name])
+        if name in integer:
+            weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
+        else:
+            hessian = hessians.get(layout.gptq_inputs.get(name, ""))
+            weights[name] = quantize_low_bit(array, slot, plans[name], hessian)
+    return weights
+
+
+def bias_parameters(
+    model: onnx.ModelProto,
+    layout: Layout,
+    activations: dict[str, ActivationParams],
+    weights: dict[str, WeightParams],
+) -> dict[str, BiasParams]:
+    initializers = {init.name: init for init in model.graph.initializer}
+    biases = {}
+    for name, slot in layout.biases.items():
+        values, scale = quantize_bias(
+            numpy_helper.to_array(initializers[name]),
+            activations[slot.activation].scale,
+            np.asarray(weights[slot.weight].scale),
+        )
+        biases[name] = BiasParams(values, scale)
+    return biases
