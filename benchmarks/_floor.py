@@ -8,7 +8,7 @@ calibrator must at least pay in time and memory) and on the model as it is. The 
 by qtool's own `create_session` from the file path, so settings (providers, threads, sequential
 execution, optimisation level, no spinning between runs) are exactly those of qtool's calibration
 session; every output of every batch is fetched (as numpy arrays) and dropped. Imports numpy,
-onnxruntime and qtool.runtime.sessions only: no torch, no kernels, so time and peak memory are
+onnxruntime and qtool.ort.sessions only: no torch, no kernels, so time and peak memory are
 ORT's.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,8 +36,8 @@ from benchmarks.calibration import machine_info, write_calibration_data, write_r
 from benchmarks.models import build_cnn, calibration_inputs
 from qtool.app.pipeline import prepare
 from qtool.config.recipe import Recipe, load_recipe
-from qtool.metrics.evaluate import measure_latency
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
+from qtool.runtime.latency import measure_latency
 from qtool.search.mixed import search_stage
 
 REPO = Path(__file__).resolve().parent.parent

@@ -385,8 +385,8 @@ def _measure(args: argparse.Namespace) -> None:
     import numpy as np
 
     from qtool.metrics.evaluate import _Fidelity
+    from qtool.ort.sessions import create_session
     from qtool.runtime.fusion import optimized_graph
-    from qtool.runtime.sessions import create_session
 
     spec = json.loads(Path(args.spec).read_text())
     with np.load(spec["evaluation"]) as data:
@@ -777,7 +777,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def machine() -> dict:
     import onnxruntime
 
-    from qtool.runtime.cpu import detect_cpu
+    from qtool.ort.cpu import detect_cpu
 
     return {
         "cpu_features": detect_cpu().describe(),
@@ -791,7 +791,7 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks.calibration import machine_info, save_json
-    from qtool.runtime.low_bit import ACCURACY_LEVEL_KEY
+    from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 
     work = args.work.resolve()
     report: dict = {

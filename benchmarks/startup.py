@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/startup.json"))
     args = parser.parse_args()
-    from qtool.runtime.cpu import detect_cpu
+    from qtool.ort.cpu import detect_cpu
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

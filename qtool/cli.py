@@ -635,8 +635,8 @@ def doctor() -> None:
     import onnxruntime
 
     from qtool import kernels
-    from qtool.runtime.cpu import detect_cpu
-    from qtool.runtime.sessions import provider_status
+    from qtool.ort.cpu import detect_cpu
+    from qtool.ort.sessions import provider_status
 
     console.print(f"qtool {__version__} (python {sys.version.split()[0]})", highlight=False)
     console.print(

@@ -16,9 +16,9 @@ import numpy as np
 from qtool import __version__
 from qtool.config.recipe import Recipe
 from qtool.io import atomic_write_bytes
+from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.plan import Plan, WeightPlan
-from qtool.runtime.cpu import CpuFeatures
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.params import ActivationParams, WeightParams
 

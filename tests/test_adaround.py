@@ -35,8 +35,8 @@ from qtool.calibration.collect import save_with_extra_outputs
 from qtool.config.recipe import load_recipe
 from qtool.data.batches import iter_batches
 from qtool.errors import RecipeError
+from qtool.ort.sessions import create_session
 from qtool.plan.layout import WeightSlot
-from qtool.runtime.sessions import create_session
 from qtool.write.params import WeightParams
 from qtool.write.weight_format import (
     PAIR_LIMIT,

@@ -20,11 +20,11 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import provenance
 from qtool.app.pipeline import prepare
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.runtime.sessions import create_session
+from qtool.model import provenance
+from qtool.ort.sessions import create_session
 from qtool.search.candidates import model_candidates, node_candidates, step_up
 from qtool.search.sensitivity import analyze
 

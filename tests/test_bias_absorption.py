@@ -16,7 +16,7 @@ from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 CHANNELS = 8
 

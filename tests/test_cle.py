@@ -14,7 +14,7 @@ from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
 from qtool.app.pipeline import prepare
 from qtool.config.recipe import load_recipe
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 CHANNELS = 8
 

@@ -396,7 +396,7 @@ def test_output_dir_below_a_file(digits_run, cli, tmp_path) -> None:
 
 
 def test_doctor_reports_the_int8_relevant_cpu_features(cli) -> None:
-    from qtool.runtime.cpu import detect_cpu
+    from qtool.ort.cpu import detect_cpu
 
     doctor = cli("doctor")
     assert doctor.exit_code == 0, doctor.output

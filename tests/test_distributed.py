@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.merge import merge_stats, regrid
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.calibration.stats_file import (

@@ -1,4 +1,4 @@
-"""Tests for qtool.metrics.evaluate and qtool.runtime.sessions on small ONNX models built with
+"""Tests for qtool.metrics.evaluate and qtool.ort.sessions on small ONNX models built with
 onnx.helper.
 
 Expected values come from numpy re-implementations of the same models (Gemm, QDQ weight) or from
@@ -20,7 +20,6 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from rich.console import Console
 
-from qtool import provenance
 from qtool.errors import DataError, ModelError
 from qtool.metrics.evaluate import (
     EvalResult,
@@ -33,8 +32,9 @@ from qtool.metrics.evaluate import (
 )
 from qtool.metrics.gates import Gates, judge_gates, junit_xml
 from qtool.metrics.spec import gate_problem
-from qtool.runtime.cpu import detect_cpu, resolve_cpu
-from qtool.runtime.sessions import create_session
+from qtool.model import provenance
+from qtool.ort.cpu import detect_cpu, resolve_cpu
+from qtool.ort.sessions import create_session
 
 FEATURES, CLASSES = 16, 5
 OPSET = 17

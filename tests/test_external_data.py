@@ -25,11 +25,10 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool import provenance
 from qtool.calibration.stats_file import load_stats
 from qtool.errors import ModelError, OutputError
 from qtool.io import STALE_AFTER_S, Staged, commit_files, remove_stale_temporaries, stage
-from qtool.model import external_data
+from qtool.model import external_data, provenance
 from qtool.model.load import load_onnx
 
 LIMIT = 64 << 10

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qtool.model.prepare import prepare_model
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 
 def _model(pads: list[int], mode: str = "constant", value: float | None = 0.0) -> onnx.ModelProto:

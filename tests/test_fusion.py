@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.app.pipeline import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError, ModelError
+from qtool.ort.sessions import create_session
 from qtool.runtime.fusion import (
     INTEGER_OPS,
     compare_fused_unfused,
@@ -31,7 +32,6 @@ from qtool.runtime.fusion import (
     optimized_graph,
     optimized_session,
 )
-from qtool.runtime.sessions import create_session
 
 ON_ARM = platform.machine().lower() in ("aarch64", "arm64")
 

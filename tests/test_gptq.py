@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qtool.algorithms.gptq import HessianAccumulator, gptq_quantize, hessian_error
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.errors import CalibrationError, DataError
+from qtool.write.gptq import gptq_quantize, hessian_error
 from qtool.write.int4 import (
     block_scales,
     dequantize,

@@ -367,7 +367,7 @@ def test_ir_version_newer_than_ort_is_written_as_one_ort_loads(tmp_path: Path, c
     import onnx
     import onnxruntime
 
-    from qtool.runtime.sessions import max_ir_version
+    from qtool.ort.sessions import max_ir_version
 
     newest = max_ir_version()
     model = _gemm_model(ir_version=newest + 1)  # what a newer onnx than this ORT's would write
@@ -388,7 +388,7 @@ def test_ir_version_newer_than_ort_is_written_as_one_ort_loads(tmp_path: Path, c
 def test_max_ir_version_is_what_ort_loads() -> None:
     import onnxruntime
 
-    from qtool.runtime.sessions import max_ir_version
+    from qtool.ort.sessions import max_ir_version
 
     newest = max_ir_version()
     for version, loads in ((newest, True), (newest + 1, False)):
@@ -404,7 +404,7 @@ def test_model_needing_a_newer_ir_than_ort_reads_names_the_file(tmp_path: Path, 
     from onnx import TensorProto
 
     from qtool.model.load import required_ir_version
-    from qtool.runtime.sessions import max_ir_version
+    from qtool.ort.sessions import max_ir_version
 
     model = _gemm_model(extra_type=TensorProto.FLOAT6E2M3)
     required, reason = required_ir_version(model)
@@ -423,7 +423,7 @@ def test_session_on_a_too_new_file_names_the_file(tmp_path: Path) -> None:
     import onnx
 
     from qtool.errors import ModelError
-    from qtool.runtime.sessions import create_session, max_ir_version
+    from qtool.ort.sessions import create_session, max_ir_version
 
     path = tmp_path / "new.onnx"
     onnx.save(_gemm_model(ir_version=max_ir_version() + 1), path)

@@ -21,7 +21,6 @@ import torch
 from onnx import helper
 from torch import nn
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration import collect as collect_module
 from qtool.calibration.collect import collect, collect_statistics, save_with_extra_outputs
 from qtool.calibration.hessian_file import (
@@ -30,6 +29,7 @@ from qtool.calibration.hessian_file import (
     merge_hessians,
     save_hessians,
 )
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.data.batches import Batch
 from qtool.errors import CalibrationError
 from qtool.model.prepare import prepare_model

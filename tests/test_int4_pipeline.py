@@ -20,12 +20,12 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.algorithms.gptq import hessian_error
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
-from qtool.runtime.cpu import detect_cpu
+from qtool.ort.cpu import detect_cpu
+from qtool.write.gptq import hessian_error
 from qtool.write.int4 import dequantize, quantize_blockwise
 from qtool.write.matmul_nbits import accuracy_level_for, read_nbits_weight
 

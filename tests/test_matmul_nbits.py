@@ -16,9 +16,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
+from qtool.ort.cpu import resolve_cpu
 from qtool.plan.settings import QuantizationSpec
-from qtool.runtime.cpu import resolve_cpu
-from qtool.runtime.low_bit import ACCURACY_LEVEL_KEY
 from qtool.write.int4 import dequantize_node, quantize_blockwise, to_initializers
 from qtool.write.matmul_nbits import (
     accuracy_level_for,

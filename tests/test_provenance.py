@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import onnx
 
-from qtool import __version__, provenance
+from qtool import __version__
+from qtool.model import provenance
 
 
 def test_quantized_model_carries_its_provenance(digits_run) -> None:

@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qtool.ort.cpu import resolve_cpu
 from qtool.plan.layout import WeightSlot
 from qtool.plan.plan import WeightPlan
-from qtool.runtime.cpu import resolve_cpu
 from qtool.write.params import quantize_weight
 from qtool.write.sum_rounding import keep_channel_sums
 from qtool.write.weight_format import choose_weight

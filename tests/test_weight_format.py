@@ -22,9 +22,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.app.pipeline import quantize
 from qtool.config.recipe import load_recipe
+from qtool.ort.cpu import detect_cpu, resolve_cpu
 from qtool.plan.layout import WeightSlot
 from qtool.plan.plan import WeightPlan
-from qtool.runtime.cpu import detect_cpu, resolve_cpu
 from qtool.write import weight_format
 from qtool.write.params import quantize_weight
 from qtool.write.sum_rounding import keep_channel_sums

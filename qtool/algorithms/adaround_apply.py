@@ -51,10 +51,10 @@ from qtool.algorithms.adaround import (
 from qtool.algorithms.bias_correction import output_error
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError, RecipeError
+from qtool.ort.cpu import CpuFeatures
+from qtool.ort.sessions import ort_reason
 from qtool.phases import phase
 from qtool.plan.layout import Layout, WeightSlot
-from qtool.runtime.cpu import CpuFeatures
-from qtool.runtime.sessions import ort_reason
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.params import ActivationParams, WeightParams
 from qtool.write.weight_format import FORMAT_LIMITS, keeps_pair_limit, restore_pair_limit

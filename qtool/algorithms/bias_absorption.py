@@ -32,16 +32,13 @@ pair how many channels moved, by how much, and A's output range before and after
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from onnx import helper
 
-if TYPE_CHECKING:
-    from qtool.algorithms.cle import _Conv, _Pair
+from qtool.algorithms.conv_pairs import ConvPair, EqualizedConv
 
 
-def padding_reason(pair: _Pair) -> str | None:
+def padding_reason(pair: ConvPair) -> str | None:
     """Why B would read zeros that stood for A's shifted values (None: it reads none)."""
     if pair.pad:
         return "a zero Pad between the activation and B reads the shifted values as 0"
@@ -82,9 +79,9 @@ def output_range(
 
 
 def absorb(
-    pair: _Pair,
-    first: _Conv,
-    second: _Conv,
+    pair: ConvPair,
+    first: EqualizedConv,
+    second: EqualizedConv,
     low: np.ndarray,
     high: np.ndarray,
     scale: np.ndarray,

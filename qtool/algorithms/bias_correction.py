@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError
 from qtool.model import external_data
-from qtool.runtime.sessions import create_session, ort_reason
+from qtool.ort.sessions import create_session, ort_reason
 
 # Ops whose bias input (index 2) adds one value per output channel on this axis.
 _CHANNEL_AXIS = {"Conv": 1, "ConvTranspose": 1, "Gemm": -1, "MatMul": -1}

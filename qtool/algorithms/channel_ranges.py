@@ -19,7 +19,7 @@ import onnx
 
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError
-from qtool.runtime.sessions import ort_reason
+from qtool.ort.sessions import ort_reason
 
 
 @dataclass

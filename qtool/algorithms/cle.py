@@ -44,7 +44,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -52,6 +51,7 @@ from onnx import helper, numpy_helper
 
 from qtool.algorithms.bias_absorption import absorb, padding_reason
 from qtool.algorithms.channel_ranges import ChannelRanges
+from qtool.algorithms.conv_pairs import ConvPair, EqualizedConv
 from qtool.model.fold_pad import zero_spatial_pads
 
 _ROUNDS = 20  # pairwise passes over a chain; settles in a few on real networks
@@ -61,31 +61,6 @@ _AT_BOUND = 1e-6  # a channel whose max / bound is within this of 1 counts as cl
 
 # Per-channel minima and maxima of the named tensors (A's outputs) on calibration data.
 RangesSource = Callable[[list[str]], ChannelRanges]
-
-
-@dataclass
-class _Pair:
-    first: onnx.NodeProto
-    second: onnx.NodeProto
-    activation: str = "none"  # "Relu", "Clip" or "none"
-    bound: float | None = None  # Clip's upper bound (None: Relu-like, exact for every input)
-    pad: bool = False  # a zero Pad between the activation and B
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.first.name, self.second.name)
-
-
-@dataclass
-class _Conv:
-    node: onnx.NodeProto
-    weight: np.ndarray  # float64 copy, written back at the end
-    bias: np.ndarray | None
-    group: int
-
-    @property
-    def depthwise(self) -> bool:
-        return self.group > 1 and self.weight.shape[1] == 1 and self.group == self.weight.shape[0]
 
 
 def _group(node: onnx.NodeProto) -> int:
@@ -128,7 +103,9 @@ def clip_bounds(
     return bounds[0], bounds[1]
 
 
-def _through(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], pair: _Pair) -> str | None:
+def _through(
+    node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], pair: ConvPair
+) -> str | None:
     """Let `node` (between A and B) into `pair` when a positive scale passes it; else the reason."""
     if node.op_type == "Pad":
         if pair.pad or zero_spatial_pads(node, 4, inits) is None:
@@ -155,8 +132,8 @@ def _through(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], pair: _Pa
 
 
 def _find_pairs(
-    graph: onnx.GraphProto, convs: dict[str, _Conv], only: set[str] | None
-) -> tuple[list[_Pair], list[dict]]:
+    graph: onnx.GraphProto, convs: dict[str, EqualizedConv], only: set[str] | None
+) -> tuple[list[ConvPair], list[dict]]:
     """Conv -> (Relu | Clip(0, hi) | nothing) -> (zero Pad) -> Conv pairs that can be rescaled
     exactly (Clip: on the data, see the module docstring), and the near misses with reasons."""
     readers = _readers(graph)
@@ -169,7 +146,7 @@ def _find_pairs(
     for name, conv in convs.items():
         if only is not None and name not in only:
             continue
-        pair = _Pair(conv.node, conv.node)
+        pair = ConvPair(conv.node, conv.node)
         tensor, nxt, why = conv.node.output[0], None, None
         for _ in range(3):  # at most an activation and a Pad between the two convolutions
             after = consumers.get(tensor, [])
@@ -210,26 +187,26 @@ def _find_pairs(
     return pairs, skipped
 
 
-def _output_ranges(conv: _Conv) -> np.ndarray:
+def _output_ranges(conv: EqualizedConv) -> np.ndarray:
     """Max |w| per output channel of a convolution."""
     return np.abs(conv.weight).reshape(conv.weight.shape[0], -1).max(axis=1)
 
 
-def _input_ranges(conv: _Conv) -> np.ndarray:
+def _input_ranges(conv: EqualizedConv) -> np.ndarray:
     """Max |w| per input channel (depthwise: its one filter per channel)."""
     if conv.depthwise:
         return _output_ranges(conv)
     return np.abs(conv.weight).transpose(1, 0, 2, 3).reshape(conv.weight.shape[1], -1).max(axis=1)
 
 
-def _scale_output(conv: _Conv, scale: np.ndarray) -> None:
+def _scale_output(conv: EqualizedConv, scale: np.ndarray) -> None:
     """Divide output channel i by scale_i (weight and bias)."""
     conv.weight /= scale.reshape(-1, *([1] * (conv.weight.ndim - 1)))
     if conv.bias is not None:
         conv.bias /= scale
 
 
-def _scale_input(conv: _Conv, scale: np.ndarray) -> None:
+def _scale_input(conv: EqualizedConv, scale: np.ndarray) -> None:
     """Multiply input channel i by scale_i; depthwise: channel i's filter is its output i, so
     its bias is left alone (the output is unchanged, only the input it reads is divided)."""
     if conv.depthwise:
@@ -254,7 +231,7 @@ def relative_noise(weight: np.ndarray, per_channel: bool, bits: int = 8) -> floa
     return noise / signal if signal > 0 else 0.0
 
 
-def _convs(model: onnx.ModelProto) -> dict[str, _Conv]:
+def _convs(model: onnx.ModelProto) -> dict[str, EqualizedConv]:
     """4-D Conv nodes whose weight (and bias) are initializers read by that node alone."""
     initializers = {init.name: init for init in model.graph.initializer}
     readers = _readers(model.graph)
@@ -271,7 +248,7 @@ def _convs(model: onnx.ModelProto) -> dict[str, _Conv]:
         bias = None
         if len(node.input) > 2 and node.input[2]:
             bias = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64)
-        convs[node.name] = _Conv(node, weight, bias, _group(node))
+        convs[node.name] = EqualizedConv(node, weight, bias, _group(node))
     return convs
 
 
@@ -398,7 +375,7 @@ THROUGH_CLIP_WARNING = (
 
 
 def _absorb(
-    pair: _Pair, convs: dict[str, _Conv], measured: ChannelRanges, scale: np.ndarray
+    pair: ConvPair, convs: dict[str, EqualizedConv], measured: ChannelRanges, scale: np.ndarray
 ) -> dict:
     """One kept pair's bias absorption, or why there was none (report.json)."""
     tensor = pair.first.output[0]
@@ -418,7 +395,7 @@ def _absorb(
     return entry
 
 
-def _bound_report(pair: _Pair, maxima: np.ndarray, scale: np.ndarray, samples: int) -> dict:
+def _bound_report(pair: ConvPair, maxima: np.ndarray, scale: np.ndarray, samples: int) -> dict:
     """What the Clip's data constraint did to one pair's channels (report.json)."""
     assert pair.bound is not None
     reaching = maxima > pair.bound
@@ -433,8 +410,8 @@ def _bound_report(pair: _Pair, maxima: np.ndarray, scale: np.ndarray, samples: i
 
 
 def _rebalance(
-    convs: dict[str, _Conv],
-    pairs: list[_Pair],
+    convs: dict[str, EqualizedConv],
+    pairs: list[ConvPair],
     limits: dict[tuple[str, str], np.ndarray],
 ) -> dict[tuple[str, str], np.ndarray]:
     """Equalize the pairs in turns until no scale moves (a middle layer belongs to two pairs);
@@ -478,7 +455,7 @@ def _spread(r1: np.ndarray, r2: np.ndarray) -> float:
     return max(one(r1), one(r2))
 
 
-def _write_back(model: onnx.ModelProto, convs: dict[str, _Conv], names: set[str]) -> None:
+def _write_back(model: onnx.ModelProto, convs: dict[str, EqualizedConv], names: set[str]) -> None:
     """Replace the initializers of the rescaled convolutions (float32, as they were)."""
     wanted = {}
     for name in names:

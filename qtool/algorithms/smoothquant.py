@@ -44,9 +44,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS
 from qtool.calibration.channels import ChannelObserver, ChannelStats, channels_path, load_channels
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.config.recipe import Recipe
 from qtool.errors import CalibrationError, RecipeError

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from qtool import __version__, distributed, kernels, provenance
+from qtool import __version__, distributed, kernels
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.algorithms.smoothquant import apply_smoothquant, channel_observers
 from qtool.calibration.channels import ChannelStats, channel_file_bytes, channels_path
 from qtool.calibration.collect import collect
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.merge import merge_across_processes
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.stats_file import (
@@ -43,14 +43,14 @@ from qtool.distributed import Group, Shard
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.io import Staged, commit_files, stage
 from qtool.metrics.evaluate import EvalResult, evaluate_models
-from qtool.model import external_data
+from qtool.model import external_data, provenance
 from qtool.model.load import load_model
 from qtool.model.opset21 import TARGET_OPSET
 from qtool.model.prepare import prepare_model, tensor_types
+from qtool.ort.cpu import resolve_cpu
 from qtool.phases import phase
 from qtool.plan.layout import Layout, plan_layout
 from qtool.report import build_report, report_bytes
-from qtool.runtime.cpu import resolve_cpu
 from qtool.runtime.fusion import optimized_session
 from qtool.runtime.verify import verify
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters

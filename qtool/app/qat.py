@@ -40,6 +40,8 @@ from qtool.io import commit_files
 from qtool.model.load import build_pytorch_module, check_inputs, export_module, fit_ir_version
 from qtool.model.opset21 import TARGET_OPSET
 from qtool.model.prepare import prepare_model, tensor_types
+from qtool.ort.cpu import resolve_cpu
+from qtool.ort.sessions import create_session
 from qtool.phases import phase
 from qtool.plan.layout import plan_layout
 from qtool.qat import export
@@ -50,8 +52,6 @@ from qtool.qat.mapping import weight_parameters as map_weights
 from qtool.qat.spec import QatSpec
 from qtool.qat.train import TrainingSet, deterministic, make_loss, train
 from qtool.report import build_report, report_bytes
-from qtool.runtime.cpu import resolve_cpu
-from qtool.runtime.sessions import create_session
 from qtool.runtime.verify import verify
 from qtool.write.assemble import (
     activation_parameters,

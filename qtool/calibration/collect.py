@@ -32,14 +32,14 @@ import onnx
 import onnxruntime
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.channels import ChannelObserver
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, ModelError
 from qtool.model import external_data
+from qtool.ort.sessions import create_session, ort_reason
 from qtool.phases import phase
-from qtool.runtime.sessions import create_session, ort_reason
 
 
 def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.ValueInfoProto]:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.archive import index_field, load_entries, write_member
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
 

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.algorithms.gptq import HessianAccumulator
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.hessian_file import (
     hessian_data_sha256,
@@ -38,6 +37,7 @@ from qtool.calibration.hessian_file import (
     load_hessians,
     merge_hessians,
 )
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.stats_file import ShardRecord, StatsFile, read_stats_file, stats_file_bytes
 from qtool.distributed import Group, check_agreement

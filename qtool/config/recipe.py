@@ -30,6 +30,7 @@ from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, In
 from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem
 from qtool.model.spec import ModelSpec
+from qtool.ort.cpu import CPU_NAMES
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
     ACTIVATION_PRECISIONS,
@@ -47,7 +48,6 @@ from qtool.plan.settings import (
     WeightSettings,
 )
 from qtool.qat.spec import QAT_LOSSES, QAT_OPTIMIZERS, QatSpec
-from qtool.runtime.cpu import CPU_NAMES
 from qtool.search.spec import MIXED_METRICS, MIXED_OBJECTIVES, BudgetSpec, MixedPrecisionSpec
 
 # A recipe is a page of settings: anything larger, or any document whose aliases expand to more

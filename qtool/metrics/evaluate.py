@@ -17,8 +17,7 @@ noisy neighbour affects both equally.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,25 +30,28 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qtool import provenance
 from qtool.errors import DataError, ModelError
-from qtool.runtime.cpu import CpuFeatures, detect_cpu
-from qtool.runtime.fusion import SignalNoise
-from qtool.runtime.low_bit import (
+from qtool.model import provenance
+from qtool.ort.accuracy_level import (
     ACCURACY_LEVEL_KEY,
     ACCURACY_LEVELS,
     ORT_DEFAULT_ACCURACY_LEVEL,
+)
+from qtool.ort.cpu import CpuFeatures, detect_cpu
+from qtool.ort.sessions import create_session
+from qtool.runtime.fusion import SignalNoise
+from qtool.runtime.latency import latency_feed, measure_latency
+from qtool.runtime.low_bit import (
     LowBitUsage,
     low_bit_usage,
     written_accuracy_levels,
 )
-from qtool.runtime.sessions import create_session
 
 if TYPE_CHECKING:
     from qtool.metrics.gates import GateResult
 
 Batch = tuple[Mapping[str, np.ndarray], np.ndarray | None]
-_WARMUP_RUNS = 5
+
 VARIANTS = ("fused", "unfused")
 # A fused model this many dB below its own QDQ semantics is losing to its kernels, not to the
 # quantization: a gap that large is far beyond run-to-run or rounding-order differences.
@@ -544,43 +546,6 @@ def _model_bytes(path: Path, proto: onnx.ModelProto) -> int:
             raise ModelError(f"{path}: external data file {file} does not exist")
         total += file.stat().st_size
     return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Latency
-
-
-def latency_feed(
-    inputs: Mapping[str, np.ndarray], input_shapes: Iterable[Sequence]
-) -> tuple[dict[str, np.ndarray], int]:
-    """The first sample of the first batch, or the whole batch when the batch axis is fixed > 1.
-
-    `input_shapes`: the model's input shapes as ONNX Runtime reports them (ints for fixed
-    dims), read from the model rather than found by trying a run that may fail."""
-    fixed = {shape[0] for shape in input_shapes if shape and isinstance(shape[0], int)}
-    if fixed and fixed != {1}:
-        # The model cannot run a single sample; time its fixed batch and say so in the result.
-        batch = next(iter(inputs.values())).shape[0]
-        return {name: np.ascontiguousarray(a) for name, a in inputs.items()}, batch
-    return {name: np.ascontiguousarray(a[:1]) for name, a in inputs.items()}, 1
-
-
-def measure_latency(
-    sessions: list[onnxruntime.InferenceSession],
-    feed: dict[str, np.ndarray],
-    runs: int,
-) -> list[tuple[float, float]]:
-    """Median and p90 in ms per session (all outputs, as deployed); runs alternate sessions."""
-    for session in sessions:
-        for _ in range(_WARMUP_RUNS):
-            session.run(None, feed)
-    times: list[list[float]] = [[] for _ in sessions]
-    for _ in range(runs):
-        for k, session in enumerate(sessions):
-            start = time.perf_counter_ns()
-            session.run(None, feed)
-            times[k].append((time.perf_counter_ns() - start) / 1e6)
-    return [(float(np.median(t)), float(np.percentile(t, 90))) for t in times]
 
 
 # ---------------------------------------------------------------------------------------------

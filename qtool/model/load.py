@@ -170,7 +170,7 @@ def fit_ir_version(model: onnx.ModelProto, source: str) -> None:
     feature: the installed onnx package writes a newer IR version than the ORT release beside it
     reads (onnx 1.23 writes 14, ORT 1.31 reads up to 13), so a model fresh from onnx.helper would
     otherwise be refused by every session qtool opens, and so would qtool's own outputs."""
-    from qtool.runtime.sessions import max_ir_version
+    from qtool.ort.sessions import max_ir_version
 
     newest = max_ir_version()
     if model.ir_version <= newest:

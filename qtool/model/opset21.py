@@ -59,15 +59,15 @@ def upgrade_to_opset21(model: onnx.ModelProto) -> onnx.ModelProto:
         out = inliner.inline_local_functions(out)
     if source < 13:
         _rewrite_old_hardmax(out.graph)
-    detached = _detach_large_tensors(out.graph)
+    detached = detach_large_tensors(out.graph)
     try:
         converted = version_converter.convert_version(out, TARGET_OPSET)
     except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
-        _attach(out.graph, detached)
+        attach_tensors(out.graph, detached)
         raise _conversion_error(out, source, exc) from None
     if source >= 18:
         _group_norm_scale_per_channel(converted)  # before re-attaching: shape inference < 2 GB
-    _attach(converted.graph, detached)
+    attach_tensors(converted.graph, detached)
     converted.ir_version = max(converted.ir_version, _TARGET_IR)
     _check_conversion(model, converted)
     return converted
@@ -128,7 +128,7 @@ def _rewrite_old_hardmax(graph: onnx.GraphProto) -> None:
         g.node.extend(nodes)
 
 
-def _detach_large_tensors(graph: onnx.GraphProto) -> dict[str, bytes]:
+def detach_large_tensors(graph: onnx.GraphProto) -> dict[str, bytes]:
     """Move big raw_data out of main-graph initializers; the converter's adapters only read small
     constants, and GroupNormalization's scale and bias stay for the fix after conversion."""
     keep = {
@@ -147,7 +147,7 @@ def _detach_large_tensors(graph: onnx.GraphProto) -> dict[str, bytes]:
     return detached
 
 
-def _attach(graph: onnx.GraphProto, detached: dict[str, bytes]) -> None:
+def attach_tensors(graph: onnx.GraphProto, detached: dict[str, bytes]) -> None:
     """Put the data back by name (an initializer an adapter removed is read by nothing)."""
     for init in graph.initializer:
         if init.name in detached:

@@ -34,8 +34,8 @@ from qtool.model.fuse_gemm import fuse_matmul_add
 from qtool.model.graph_edit import delete_indexes, drop_where, subgraph_names
 from qtool.model.opset21 import (
     TARGET_OPSET,
-    _attach,
-    _detach_large_tensors,
+    attach_tensors,
+    detach_large_tensors,
     upgrade_to_opset21,
 )
 from qtool.model.shapes import Inference, infer, write_inference
@@ -140,17 +140,17 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
         model.CopyFrom(upgrade_to_opset21(model))
         return
     # The converter serializes the model: one over protobuf's limit goes without its weights.
-    detached = _detach_large_tensors(model.graph) if needs_external_data(model) else {}
+    detached = detach_large_tensors(model.graph) if needs_external_data(model) else {}
     try:
         converted = version_converter.convert_version(model, min_opset)
     except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
-        _attach(model.graph, detached)
+        attach_tensors(model.graph, detached)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}: "
             f"{reason}"
         ) from exc
-    _attach(converted.graph, detached)
+    attach_tensors(converted.graph, detached)
     if _default_opset(converted) < min_opset:
         raise ModelError(
             f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}"

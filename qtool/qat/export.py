@@ -11,8 +11,8 @@ import torch
 from onnx import numpy_helper
 
 from qtool.errors import ModelError
+from qtool.ort.sessions import create_session
 from qtool.qat.train import outputs_tuple
-from qtool.runtime.sessions import create_session
 
 
 def with_trained_weights(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> onnx.ModelProto:

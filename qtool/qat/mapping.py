@@ -19,8 +19,8 @@ import onnx
 from onnx import numpy_helper
 
 from qtool.errors import ModelError
+from qtool.ort.sessions import create_session
 from qtool.plan.layout import Layout
-from qtool.runtime.sessions import create_session
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from qtool.errors import DataError, ModelError
-from qtool.runtime.sessions import create_session, ort_reason
+from qtool.ort.sessions import create_session, ort_reason
 
 if TYPE_CHECKING:
     import onnxruntime

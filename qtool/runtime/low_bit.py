@@ -17,17 +17,6 @@ from onnx import TensorProto
 
 from qtool.runtime.fusion import optimized_graph
 
-# Session config key that picks MatMulNBits' compute type when ORT forms it from QDQ (ORT 1.31):
-# 0 unset (= fp32), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations inside the kernel (the default).
-ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
-ORT_DEFAULT_ACCURACY_LEVEL = 4
-ACCURACY_LEVELS = {
-    0: "unset (fp32 compute)",
-    1: "fp32 compute",
-    2: "fp16 compute",
-    3: "bf16 compute",
-    4: "int8 compute (activations quantized per block inside the kernel)",
-}
 _LOW_BIT_TYPES = {TensorProto.INT4: "int4", TensorProto.UINT4: "uint4"}
 _LOW_BIT_KERNELS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
 

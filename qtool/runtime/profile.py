@@ -42,8 +42,8 @@ import onnx
 import onnxruntime
 
 from qtool.errors import ModelError
+from qtool.ort.sessions import CPU_PROVIDER, ort_reason, session_options
 from qtool.runtime.fusion import Located, locate
-from qtool.runtime.sessions import CPU_PROVIDER, _session_options, ort_reason
 
 OTHER = "(other)"
 _WARMUP_RUNS = 3
@@ -78,7 +78,7 @@ def kernel_times(
 ) -> dict[str, tuple[str, float]]:
     """ORT node name -> (op type, median us per run) from `runs` profiled runs of `model`
     (after a few unprofiled-in-the-result warm-up runs)."""
-    options = _session_options(threads, optimize=True)
+    options = session_options(threads, optimize=True)
     with tempfile.TemporaryDirectory(prefix="qtool-profile-") as folder:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(folder) / "ort")

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qtool.metrics.evaluate import latency_feed, measure_latency
+from qtool.ort.cpu import CpuFeatures, detect_cpu
+from qtool.ort.sessions import create_session
 from qtool.plan.plan import NodePlan, Plan
-from qtool.runtime.cpu import CpuFeatures, detect_cpu
 from qtool.runtime.fusion import (
     FUSED,
     OptimizedSession,
@@ -28,7 +28,7 @@ from qtool.runtime.fusion import (
     fusion_truth,
     optimized_session,
 )
-from qtool.runtime.sessions import create_session
+from qtool.runtime.latency import latency_feed, measure_latency
 
 if TYPE_CHECKING:
     import onnxruntime

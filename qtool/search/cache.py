@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qtool.io import atomic_write_text
 from qtool.search.layers import LayerScore
-from qtool.search.result import Measurement, _num
+from qtool.search.result import Measurement, json_number
 
 CACHE_DIR = "analysis-cache"
 _FORMAT = "qtool-analysis-cache-1"
@@ -85,9 +85,9 @@ def _layer_dict(score: LayerScore) -> dict:
         "op_type": score.op_type,
         "precision": score.precision,
         "output": score.output,
-        "sqnr_out_db": _num(score.sqnr_out_db),
+        "sqnr_out_db": json_number(score.sqnr_out_db),
         "input": score.input,
-        "sqnr_in_db": None if score.sqnr_in_db is None else _num(score.sqnr_in_db),
+        "sqnr_in_db": None if score.sqnr_in_db is None else json_number(score.sqnr_in_db),
     }
 
 

@@ -21,9 +21,9 @@ from onnx import helper
 
 from qtool.data.batches import Batch
 from qtool.model.prepare import tensor_types
+from qtool.ort.sessions import create_session
 from qtool.plan.plan import Plan
 from qtool.runtime.fusion import SignalNoise
-from qtool.runtime.sessions import create_session
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,12 @@ from qtool.calibration.stats_file import load_stats
 from qtool.config.recipe import Recipe
 from qtool.data.batches import Batch, iter_batches
 from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
-from qtool.metrics.evaluate import latency_feed, measure_latency
+from qtool.ort.cpu import resolve_cpu
+from qtool.ort.sessions import create_session
 from qtool.phases import phase
 from qtool.plan.settings import Override
-from qtool.runtime.cpu import resolve_cpu
+from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.profile import NodeTimes, node_times
-from qtool.runtime.sessions import create_session
 from qtool.search import costs
 from qtool.search.budget import Budget, resolve_budget
 from qtool.search.candidates import ORDER, model_candidates, node_candidates

@@ -48,9 +48,9 @@ class Measurement:
         if self.skipped is not None:
             return {"skipped": self.skipped}
         return {
-            "metric": _num(self.value),
-            "penalty": _num(self.penalty),
-            "sqnr_db": _num(self.sqnr_db),
+            "metric": json_number(self.value),
+            "penalty": json_number(self.penalty),
+            "sqnr_db": json_number(self.sqnr_db),
             "cosine": self.cosine,
             "seconds": round(self.seconds, 4),
         }
@@ -178,7 +178,7 @@ class SensitivityResult:
         return counted + 1
 
 
-def _num(value: float) -> float | str:
+def json_number(value: float) -> float | str:
     """Strict JSON has no NaN or Infinity: they are written as strings."""
     if math.isnan(value):
         return "nan"

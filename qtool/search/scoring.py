@@ -20,7 +20,7 @@ from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError, RecipeError
 from qtool.metrics.evaluate import Fidelity
 from qtool.metrics.spec import EvaluationSpec
-from qtool.runtime.sessions import create_session
+from qtool.ort.sessions import create_session
 
 METRICS = ("accuracy", "agreement", "cosine", "sqnr")
 _UNITS = {

@@ -26,17 +26,18 @@ import onnxruntime
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from qtool import __version__, provenance
+from qtool import __version__
 from qtool.app.pipeline import PreparedModel, calibrate, prepare
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.config.recipe import Recipe
 from qtool.data.batches import Batch, iter_batches
 from qtool.errors import CalibrationError, RecipeError
+from qtool.model import provenance
 from qtool.model.opset21 import TARGET_OPSET
+from qtool.ort.cpu import resolve_cpu
 from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
-from qtool.runtime.cpu import resolve_cpu
 from qtool.search.cache import AnalysisCache, cache_key
 from qtool.search.layers import layer_sqnr
 from qtool.search.result import (
@@ -46,7 +47,7 @@ from qtool.search.result import (
     Measurement,
     NodeSensitivity,
     SensitivityResult,
-    _num,
+    json_number,
 )
 from qtool.search.scoring import METRICS, Metric, Scorer
 from qtool.search.variants import Assembler, pin, union_layout
@@ -339,7 +340,7 @@ def analyze(
         scorer = Scorer(prepared.serialized, batches, recipe.evaluation, metric, threads)
         cache.header = {
             "metric": dataclasses.asdict(scorer.metric),
-            "float_value": _num(scorer.float_value),
+            "float_value": json_number(scorer.float_value),
             "samples": scorer.samples,
         }
     header = cache.header

@@ -20,7 +20,7 @@ from qtool.search.result import (
     Measurement,
     NodeSensitivity,
     SensitivityResult,
-    _num,
+    json_number,
 )
 
 BAR_WIDTH = 10
@@ -29,8 +29,8 @@ BAR_WIDTH = 10
 def _measurement(result: SensitivityResult, measured: Measurement) -> dict:
     entry = measured.to_dict()
     if measured.skipped is None:
-        entry["delta_vs_float"] = _num(measured.value - result.float_value)
-        entry["delta_vs_full"] = _num(measured.value - result.full.value)
+        entry["delta_vs_float"] = json_number(measured.value - result.float_value)
+        entry["delta_vs_full"] = json_number(measured.value - result.full.value)
     return entry
 
 
@@ -41,10 +41,10 @@ def _layer(node: NodeSensitivity) -> dict | None:
     lost = layer.lost_db
     return {
         "output": layer.output,
-        "sqnr_out_db": _num(layer.sqnr_out_db),
+        "sqnr_out_db": json_number(layer.sqnr_out_db),
         "input": layer.input,
-        "sqnr_in_db": None if layer.sqnr_in_db is None else _num(layer.sqnr_in_db),
-        "lost_db": None if lost is None else _num(lost),
+        "sqnr_in_db": None if layer.sqnr_in_db is None else json_number(layer.sqnr_in_db),
+        "lost_db": None if lost is None else json_number(lost),
     }
 
 
@@ -61,7 +61,7 @@ def to_dict(result: SensitivityResult) -> dict:
             "weight": node.weight,
             "weight_elements": node.weight_elements,
             "sensitivity": {
-                part: _num(value)
+                part: json_number(value)
                 for part, value in zip(SENSITIVITY_PARTS, result.sensitivity(node), strict=True)
                 if not math.isinf(value) or value > 0
             },
@@ -92,7 +92,7 @@ def to_dict(result: SensitivityResult) -> dict:
         "samples": result.samples,
         "modes": list(result.modes),
         "candidates": list(result.candidates),
-        "float": {"metric": _num(result.float_value)},
+        "float": {"metric": json_number(result.float_value)},
         "full_plan": _measurement(result, result.full),
         "ranking": [node.name for node in ranking],
         "nodes": nodes,

@@ -16,13 +16,13 @@ from collections.abc import Iterable, Mapping, Sequence
 import onnx
 
 from qtool import kernels
-from qtool.algorithms.gptq import HessianAccumulator
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.config.recipe import Recipe
 from qtool.model.prepare import tensor_types
+from qtool.ort.cpu import CpuFeatures, resolve_cpu
 from qtool.plan.layout import Layout, plan_layout
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
-from qtool.runtime.cpu import CpuFeatures, resolve_cpu
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.matmul_nbits import nbits_level

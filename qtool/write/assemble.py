@@ -12,14 +12,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qtool.algorithms.gptq import HessianAccumulator
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.ranges import compute_range
 from qtool.calibration.spec import CalibrationSpec
 from qtool.errors import CalibrationError
+from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
-from qtool.runtime.cpu import CpuFeatures
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.low_bit import quantize_low_bit
 from qtool.write.params import ActivationParams, WeightParams, activation_params, quantize_bias

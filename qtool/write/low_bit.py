@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from qtool.algorithms.gptq import HessianAccumulator, gptq_quantize
+from qtool.calibration.hessians import HessianAccumulator
 from qtool.errors import CalibrationError
 from qtool.plan.layout import WeightSlot
 from qtool.plan.plan import WeightPlan
+from qtool.write.gptq import gptq_quantize
 from qtool.write.int4 import BlockwiseWeight, quantize_blockwise, quantize_per_channel
 
 

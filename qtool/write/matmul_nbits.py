@@ -23,9 +23,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.ort.accuracy_level import ACCURACY_LEVELS
+from qtool.ort.cpu import CpuFeatures
 from qtool.plan.settings import QuantizationSpec
-from qtool.runtime.cpu import CpuFeatures
-from qtool.runtime.low_bit import ACCURACY_LEVELS
 from qtool.write.int4 import MS_DOMAIN, BlockwiseWeight, matmul_nbits_blocker
 
 

@@ -30,9 +30,9 @@ import math
 
 import numpy as np
 
+from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import WeightSlot
 from qtool.plan.plan import WeightPlan
-from qtool.runtime.cpu import CpuFeatures
 from qtool.write.params import WeightParams, quantize_weight
 from qtool.write.sum_rounding import keep_channel_sums
 

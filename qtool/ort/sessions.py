@@ -40,7 +40,7 @@ def _describe(model: str | Path | bytes) -> str:
     return str(model)
 
 
-def _session_options(threads: int | None, optimize: bool) -> onnxruntime.SessionOptions:
+def session_options(threads: int | None, optimize: bool) -> onnxruntime.SessionOptions:
     """Options shared by every session so results and timings are comparable between commands."""
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
@@ -96,7 +96,7 @@ def max_ir_version() -> int:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
     )
     probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    options = _session_options(threads=1, optimize=False)
+    options = session_options(threads=1, optimize=False)
     for version in range(max(onnx.IR_VERSION, _OLDEST_IR), _OLDEST_IR - 1, -1):
         probe.ir_version = version
         try:
@@ -144,7 +144,7 @@ def create_session(
             raise ModelError(f"model file {name} does not exist")
         model = str(path)
     requested = _resolve_providers(providers)
-    options = _session_options(threads, optimize)
+    options = session_options(threads, optimize)
     for key, value in sorted((config or {}).items()):  # e.g. MatMulNBits' accuracy level
         options.add_session_config_entry(key, value)
     if not spinning:
