@@ -37,7 +37,8 @@ from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json
 from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS
-from qtool.app.pipeline import prepare, quantize
+from qtool.app.common import prepare
+from qtool.app.quantize import quantize
 from qtool.config.recipe import Recipe, load_recipe, read_algorithms
 from qtool.data.batches import Batch, iter_batches
 from qtool.errors import RecipeError
@@ -313,10 +314,10 @@ def original_float_model(recipe: Recipe, path: Path) -> Path:
     on data other than the calibration samples (examples/effnet_lite/README.md), so scoring
     against it would credit the quantizer with the float model's own departure."""
     prepared = prepare(with_algorithms(recipe, ()))
-    if prepared.serialized is None:
+    if prepared.model.serialized is None:
         raise RuntimeError(f"{recipe.path}: the float model is over 2 GB; not supported here")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(prepared.serialized)
+    path.write_bytes(prepared.model.serialized)
     return path
 
 
@@ -814,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
             "percentile": PERCENTILE,
             "latency_runs": args.latency_runs,
             "threads": args.threads,
-            "qtool": "qtool.app.pipeline.quantize(recipe with calibration.method and "
+            "qtool": "qtool.app.quantize.quantize(recipe with calibration.method and "
             "quantization.algorithms replaced; algorithms at their documented defaults)",
             "ort": "quant_pre_process(qtool's model.fp32.onnx) + quantize_static(QDQ, QUInt8 "
             "activations, QInt8 per-channel weights, the recipe's op types, CalibPercentile "

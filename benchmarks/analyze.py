@@ -34,11 +34,13 @@ from rich.table import Table
 
 from benchmarks.calibration import machine_info, write_calibration_data, write_recipe
 from benchmarks.models import build_cnn, calibration_inputs
-from qtool.app.pipeline import prepare
+from qtool.app import settings
+from qtool.app.common import prepare
 from qtool.config.recipe import Recipe, load_recipe
 from qtool.ort.sessions import create_session
 from qtool.runtime.latency import measure_latency
-from qtool.search.mixed import search_stage
+from qtool.search.mixed import search
+from qtool.search.spec import MixedPrecisionSpec
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("digits", "cnn", "minilm")
@@ -80,8 +82,14 @@ def run_model(
     recipe = _recipe(name, work, objective)
     start = time.perf_counter()
     prepared = prepare(recipe)
-    _, _, _, outcome = search_stage(
-        recipe, prepared, None, progress=False, console=console, keep_models=True
+    outcome = search(
+        prepared,
+        settings.job(recipe),
+        recipe.mixed_precision or MixedPrecisionSpec(),
+        None,
+        progress=False,
+        console=console,
+        keep_models=True,
     )
     seconds = time.perf_counter() - start
     block = outcome.block

@@ -157,7 +157,7 @@ def run_qtool(
 def write_floor_models(model: BenchModel, data: Path, work: Path) -> dict:
     """qtool's prepared float model as is and with the tensors qtool observes as extra outputs:
     what the floor runs, so both sides run the very same graph."""
-    from qtool.app.pipeline import prepare
+    from qtool.app.common import prepare
     from qtool.calibration.collect import save_with_extra_outputs
     from qtool.config.recipe import load_recipe
 
@@ -166,8 +166,8 @@ def write_floor_models(model: BenchModel, data: Path, work: Path) -> dict:
     prepared = prepare(load_recipe(recipe))
     tensors = prepared.layout.stats_tensors()
     plain, exposed = out / "plain.onnx", out / "exposed.onnx"
-    plain.write_bytes(prepared.serialized)
-    save_with_extra_outputs(prepared.model, tensors, exposed)
+    plain.write_bytes(prepared.model.serialized)
+    save_with_extra_outputs(prepared.model.model, tensors, exposed)
     return {"plain": str(plain), "exposed": str(exposed), "observed_tensors": len(tensors)}
 
 

@@ -177,7 +177,7 @@ def _save_npz(path: Path, batches: list[dict], limit: int | None = None) -> int:
 def make_source(name: str, work: Path, eval_limit: int | None) -> Source:
     """Export (MiniLM: PyTorch; encoder: calibration.py's ONNX) and prepare the FP32 graph once,
     and write the samples every side reads."""
-    from qtool.app.pipeline import prepare
+    from qtool.app.common import prepare
     from qtool.config.recipe import load_recipe
     from qtool.data.batches import iter_batches
 
@@ -208,9 +208,9 @@ def make_source(name: str, work: Path, eval_limit: int | None) -> Source:
     samples = _save_npz(evaluation_npz, evaluation, eval_limit)
     prepared = prepare(dataclasses.replace(recipe, quantization=_int4_spec(recipe)))
     fp32 = folder / "model.fp32.onnx"
-    fp32.write_bytes(prepared.serialized)
+    fp32.write_bytes(prepared.model.serialized)
     return Source(
-        name, recipe, fp32, calibration_npz, evaluation_npz, samples, prepared.fingerprint
+        name, recipe, fp32, calibration_npz, evaluation_npz, samples, prepared.model.fingerprint
     )
 
 

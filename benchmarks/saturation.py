@@ -29,7 +29,7 @@ from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json, write_calibration_data, write_recipe
 from benchmarks.models import build_cnn, calibration_inputs
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.config.recipe import Recipe, load_recipe
 from qtool.data.batches import iter_batches
 from qtool.metrics.evaluate import evaluate_models

@@ -26,7 +26,7 @@ CASES = {
     "imports of an ONNX-source run": [
         sys.executable,
         "-c",
-        "import qtool.app.pipeline, qtool.metrics.evaluate, qtool.runtime.fusion",
+        "import qtool.app.quantize, qtool.metrics.evaluate, qtool.runtime.fusion",
     ],
     "import torch (for comparison)": [sys.executable, "-c", "import torch"],
 }

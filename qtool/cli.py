@@ -151,8 +151,8 @@ def calibrate(
     writes the files, the same bytes one process writes.
     """
     from qtool import distributed
-    from qtool.app.pipeline import calibrate as run_calibrate
-    from qtool.app.pipeline import prepare
+    from qtool.app.calibrate import calibrate as run_calibrate
+    from qtool.app.common import prepare
     from qtool.config.recipe import load_recipe
 
     part = None if shard is None else distributed.Shard.parse(shard)
@@ -233,7 +233,7 @@ def quantize(
     ] = False,
 ) -> None:
     """Compute ranges, write the QDQ model and report.json; calibrates first without --stats."""
-    from qtool.app.pipeline import quantize as run_quantize
+    from qtool.app.quantize import quantize as run_quantize
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
@@ -422,7 +422,7 @@ def evaluate(
     gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
     nothing there.
     """
-    from qtool.app.pipeline import evaluate as run_evaluate
+    from qtool.app.evaluate import evaluate as run_evaluate
     from qtool.errors import RecipeError
     from qtool.io import atomic_write_bytes, atomic_write_text
     from qtool.metrics.evaluate import low_bit_notes, render_table

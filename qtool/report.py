@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from qtool import __version__
-from qtool.config.recipe import Recipe
+from qtool.calibration.spec import CalibrationSpec
 from qtool.io import atomic_write_bytes
 from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.plan import Plan, WeightPlan
+from qtool.plan.settings import QuantizationSpec
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.params import ActivationParams, WeightParams
 
@@ -55,7 +57,7 @@ def _tensor_entries(
     layout: Layout,
     activations: dict[str, ActivationParams],
     weights: dict[str, WeightParams | BlockwiseWeight],
-    recipe: Recipe,
+    method: str,
     activation_dtype: str,
 ) -> list[dict]:
     tensors = []
@@ -70,7 +72,7 @@ def _tensor_entries(
                     "range": [float(params.low), float(params.high)],
                     "scale": float(params.scale),
                     "zero_point": int(params.zero_point),
-                    "method": recipe.calibration.method,
+                    "method": method,
                     "stats_tensor": layout.activations[name].stats_tensor,
                 }
             )
@@ -95,8 +97,18 @@ def _tensor_entries(
     return tensors
 
 
+@dataclass(frozen=True)
+class ReportHeader:
+    """The settings report.json states at its top: where they came from and what they were."""
+
+    source: str  # the recipe file
+    quantization: QuantizationSpec
+    calibration: CalibrationSpec
+    seed: int
+
+
 def build_report(
-    recipe: Recipe,
+    header: ReportHeader,
     model_inputs: dict[str, list[str]],
     layout: Layout,
     activations: dict[str, ActivationParams],
@@ -110,7 +122,8 @@ def build_report(
     `verification` is the verify stage's summary (fused counts, fused vs unfused outputs); the
     per-node runtime truth is already in each NodePlan.
     """
-    activation_dtype = "int8" if recipe.quantization.symmetric_activations else "uint8"
+    quantization, calibration = header.quantization, header.calibration
+    activation_dtype = "int8" if quantization.symmetric_activations else "uint8"
     nodes = []
     for node in layout.plan:
         entry = node.to_dict()
@@ -120,7 +133,7 @@ def build_report(
                 layout,
                 activations,
                 weights,
-                recipe,
+                calibration.method,
                 activation_dtype,
             )
         nodes.append(entry)
@@ -129,16 +142,14 @@ def build_report(
     formats = Counter(plan.format for plan in layout.plan.weight_plans().values())
     return {
         "qtool_version": __version__,
-        "recipe": str(recipe.path),
-        "target": recipe.quantization.target,
+        "recipe": header.source,
+        "target": quantization.target,
         "cpu": cpu.to_dict(),
-        "saturation_policy": recipe.quantization.saturation,
+        "saturation_policy": quantization.saturation,
         "activation_dtype": activation_dtype,
-        "method": recipe.calibration.method,
-        "percentile": recipe.calibration.percentile
-        if recipe.calibration.method == "percentile"
-        else None,
-        "seed": recipe.seed,
+        "method": calibration.method,
+        "percentile": calibration.percentile if calibration.method == "percentile" else None,
+        "seed": header.seed,
         "files": output_files,
         "summary": {
             "nodes": len(layout.plan),

@@ -30,7 +30,7 @@ from qtool.algorithms.adaround import (
     toward_zero,
     weight_groups,
 )
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.calibration.collect import save_with_extra_outputs
 from qtool.config.recipe import load_recipe
 from qtool.data.batches import iter_batches

@@ -17,7 +17,9 @@ import onnx
 import pytest
 import yaml
 
-from qtool.app.pipeline import prepare
+from qtool.app import settings
+from qtool.app.analyze import analysis_batches, analyze
+from qtool.app.common import prepare
 from qtool.calibration.stats_file import load_stats
 from qtool.config.recipe import load_recipe
 from qtool.data.spec import DataSpec
@@ -27,7 +29,6 @@ from qtool.metrics.spec import EvaluationSpec
 from qtool.plan.node_settings import _matches
 from qtool.search.plan_file import plan_overrides
 from qtool.search.scoring import choose_metric
-from qtool.search.sensitivity import analysis_batches, analyze
 from qtool.search.variants import Assembler, exact_pattern
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -137,8 +138,8 @@ def test_layer_sqnr_of_the_last_node_is_the_model_output_sqnr(recipe21, tmp_path
 
     # The full plan written out and compared by `qtool evaluate`'s own code, same samples.
     stats, _ = load_stats(recipe.output_dir / "stats.npz")
-    assembler = Assembler(recipe, prepared.model, stats)
-    (tmp_path / "fp32.onnx").write_bytes(prepared.serialized)
+    assembler = Assembler(settings.build_settings(recipe), prepared.model.model, stats)
+    (tmp_path / "fp32.onnx").write_bytes(prepared.model.serialized)
     onnx.save(assembler.build(assembler.layout()), tmp_path / "q.onnx")
     batches = analysis_batches(recipe, SAMPLES)
     evaluated = evaluate_models(
@@ -179,7 +180,7 @@ def test_cache_invalidates_when_the_stats_change(recipe21, tmp_path):
         ),
         tmp_path / "fewer",
     )
-    from qtool.app.pipeline import calibrate
+    from qtool.app.calibrate import calibrate
 
     calibrate(other, prepare(other), progress=False)
     measured = []
@@ -262,7 +263,7 @@ def test_plan_overrides_reproduce_the_plan(folder, base):
         base = _write(folder / "recipe-mixed.yaml", "base: recipe.yaml\n" + MIXED).name
     recipe = load_recipe(folder / base)
     prepared = prepare(recipe)
-    entries = plan_overrides(prepared.model, recipe.quantization, prepared.layout.plan)
+    entries = plan_overrides(prepared.model.model, recipe.quantization, prepared.layout.plan)
     assert [e["nodes"] for e in entries] == NODES
     pinned = _write(
         folder / f"pinned-{base}",

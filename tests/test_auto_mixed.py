@@ -20,13 +20,13 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.app.pipeline import prepare
+from qtool.app.analyze import analyze
+from qtool.app.common import prepare
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
 from qtool.model import provenance
 from qtool.ort.sessions import create_session
 from qtool.search.candidates import model_candidates, node_candidates, step_up
-from qtool.search.sensitivity import analyze
 
 NODES = ("/a/MatMul", "/b/MatMul")
 
@@ -228,8 +228,16 @@ def test_auto_flag_uses_the_evaluation_gate(folder, cli):
 def test_candidates_follow_the_target_and_the_opset(folder):
     recipe = load_recipe(_recipe(folder, "defaults", {}, min_sqnr=20.0))
     notes: list[str] = []
-    assert model_candidates(recipe, 21, notes) == ("int4", "int8", "float") and not notes
-    assert model_candidates(recipe, 17, notes) == ("int8", "float")
+    assert (
+        model_candidates(
+            recipe.mixed_precision, recipe.quantization.target, 21, str(recipe.path), notes
+        )
+        == ("int4", "int8", "float")
+        and not notes
+    )
+    assert model_candidates(
+        recipe.mixed_precision, recipe.quantization.target, 17, str(recipe.path), notes
+    ) == ("int8", "float")
     assert "opset 21" in notes[0]
     assert node_candidates(("int4", "int8", "float"), "Conv", True, "ort-cpu", False) == (
         "int8",
@@ -242,7 +250,10 @@ def test_candidates_follow_the_target_and_the_opset(folder):
     raw = yaml.safe_load(trt.read_text())
     raw["quantization"]["target"] = "tensorrt"
     trt.write_text(yaml.safe_dump(raw))
-    assert model_candidates(load_recipe(trt), 21, []) == ("int8", "float")
+    trt_recipe = load_recipe(trt)
+    assert model_candidates(
+        trt_recipe.mixed_precision, trt_recipe.quantization.target, 21, str(trt), []
+    ) == ("int8", "float")
     prepared = prepare(recipe)
     assert [n.name for n in prepared.layout.plan.quantized()] == list(NODES)
 

@@ -16,7 +16,9 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.app import pipeline
+from qtool.app.calibrate import calibrate
+from qtool.app.common import prepare
+from qtool.app.quantize import quantize
 from qtool.calibration import collect
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError
@@ -58,26 +60,26 @@ def test_the_session_is_the_only_holder_of_the_model_while_calibrating(
     tmp_path: Path, monkeypatch
 ) -> None:
     recipe = load_recipe(_recipe(tmp_path, {"synthetic": True, "samples": 16}))
-    prepared = pipeline.prepare(recipe)
-    original = prepared.serialized
+    prepared = prepare(recipe)
+    original = prepared.model.serialized
     seen: dict = {}
     real = collect.create_session
 
     def spy(source, **kwargs):
         collect_frame = inspect.currentframe().f_back
-        caller_frame = collect_frame.f_back  # pipeline._run_calibration
+        caller_frame = collect_frame.f_back  # pipeline.statistics.collect_statistics
         seen["collect_locals"] = set(collect_frame.f_locals)
         seen["caller_protos"] = [
             name for name, v in caller_frame.f_locals.items() if isinstance(v, onnx.ModelProto)
         ]
-        seen["held"] = (prepared.model, prepared.serialized)
+        seen["held"] = (prepared.model.model, prepared.model.serialized)
         seen["staged"] = {
             name: (tmp_path / "out" / name).read_bytes() for name in _temporaries(tmp_path / "out")
         }
         return real(source, **kwargs)
 
     monkeypatch.setattr(collect, "create_session", spy)
-    pipeline.calibrate(recipe, prepared, progress=False)
+    calibrate(recipe, prepared, progress=False)
 
     assert "model" not in seen["collect_locals"]  # collect dropped the proto before the session
     assert seen["caller_protos"] == []  # and nobody up the stack keeps it alive
@@ -87,10 +89,11 @@ def test_the_session_is_the_only_holder_of_the_model_while_calibrating(
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["model.fp32.onnx", "stats.npz"]
     written = (out / "model.fp32.onnx").read_bytes()
-    assert hashlib.sha256(written).hexdigest() == prepared.fingerprint
+    assert hashlib.sha256(written).hexdigest() == prepared.model.fingerprint
     # read back for later stages (analyze scores the bytes, quantize reads the proto)
-    assert prepared.serialized == original and prepared.model.SerializeToString() == original
-    assert prepared.float_file is None  # committed: a later run stages its own
+    assert prepared.model.serialized == original
+    assert prepared.model.model.SerializeToString() == original
+    assert prepared.model.float_file is None  # committed: a later run stages its own
 
 
 def test_a_failed_calibration_removes_the_staged_float_model(tmp_path: Path) -> None:
@@ -98,9 +101,9 @@ def test_a_failed_calibration_removes_the_staged_float_model(tmp_path: Path) -> 
     x[11, 2] = np.nan  # the second batch fails after the float model was staged
     np.savez(tmp_path / "calib.npz", x=x)
     recipe = load_recipe(_recipe(tmp_path, {"npz": "calib.npz"}))
-    prepared = pipeline.prepare(recipe)
+    prepared = prepare(recipe)
     with pytest.raises(DataError, match="NaN or Inf in sample 11"):
-        pipeline.calibrate(recipe, prepared, progress=False)
+        calibrate(recipe, prepared, progress=False)
     out = tmp_path / "out"
     assert not out.exists() or list(out.iterdir()) == []
 
@@ -119,7 +122,7 @@ def test_quantize_after_calibrating_writes_the_float_model_once(
         return real(path, write)
 
     monkeypatch.setattr(qtool.io, "_write_temporary", spy)
-    result = pipeline.quantize(recipe, progress=False)
+    result = quantize(recipe, progress=False)
     assert writes.count("model.fp32.onnx") == 1
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [

@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import _convs, _input_ranges, _output_ranges, equalize
-from qtool.app.pipeline import prepare
+from qtool.app.common import prepare
 from qtool.config.recipe import load_recipe
 from qtool.ort.sessions import create_session
 
@@ -244,9 +244,10 @@ def test_digits_with_cle_reports_its_pair_and_keeps_accuracy(digits_dir, cli, tm
         for i in onnx.load(out / "model.fp32.onnx").graph.initializer
     }
     plain = prepare(load_recipe(digits_dir / "recipe.yaml", output_dir=tmp_path / "plain"))
-    unequalized = {i.name: numpy_helper.to_array(i) for i in plain.model.graph.initializer}
-    conv1 = next(n for n in plain.model.graph.node if n.name == "/conv1/Conv")
+    unequalized = {i.name: numpy_helper.to_array(i) for i in plain.model.model.graph.initializer}
+    conv1 = next(n for n in plain.model.model.graph.node if n.name == "/conv1/Conv")
     assert not np.allclose(written[conv1.input[1]], unequalized[conv1.input[1]])
     assert (
-        prepare(load_recipe(recipe, output_dir=tmp_path / "again")).fingerprint != plain.fingerprint
+        prepare(load_recipe(recipe, output_dir=tmp_path / "again")).model.fingerprint
+        != plain.model.fingerprint
     )

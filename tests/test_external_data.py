@@ -230,7 +230,7 @@ def test_quantize_and_evaluate_with_external_data(small_limit, cli, tmp_path) ->
 
 def test_failed_run_leaves_nothing(small_limit, cli, tmp_path, monkeypatch) -> None:
     """A failure after both models were staged: no outputs, no temporary files."""
-    from qtool.app import pipeline
+    from qtool.pipeline import finish
 
     recipe, _ = write_case(tmp_path, mlp())
 
@@ -238,7 +238,7 @@ def test_failed_run_leaves_nothing(small_limit, cli, tmp_path, monkeypatch) -> N
         assert isinstance(source, Path) and source.is_file()  # the staged quantized model
         raise ModelError("verification failed on purpose")
 
-    monkeypatch.setattr(pipeline, "verify", broken_verify)
+    monkeypatch.setattr(finish, "verify", broken_verify)
     result = cli("quantize", recipe, "--no-progress")
     assert result.exit_code == 2
     assert "verification failed on purpose" in result.stderr

@@ -153,7 +153,7 @@ BN_LEFT_SOURCE = textwrap.dedent(
 
 
 def test_bn_left_export_quantizes_into_fused_convs(tmp_path) -> None:
-    from qtool.app.pipeline import quantize
+    from qtool.app.quantize import quantize
     from qtool.config.recipe import load_recipe
 
     namespace: dict = {}
@@ -212,7 +212,7 @@ BN1D_SOURCE = textwrap.dedent(
 
 def test_default_torch_export_of_linear_batchnorm1d_quantizes_into_qgemm(tmp_path) -> None:
     """qtool's own TorchScript export (constant folding on) keeps MatMul -> BatchNormalization."""
-    from qtool.app.pipeline import quantize
+    from qtool.app.quantize import quantize
     from qtool.config.recipe import load_recipe
     from qtool.model.load import load_model
 

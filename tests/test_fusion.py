@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError, ModelError
 from qtool.ort.sessions import create_session

@@ -751,7 +751,7 @@ def test_doctor_says_which_providers_can_run(cli) -> None:
 def test_provider_probe_reports_errors_and_crashes(monkeypatch) -> None:
     import onnxruntime
 
-    from qtool.runtime import sessions as ort_session
+    from qtool.ort import sessions as ort_session
 
     real = onnxruntime.get_available_providers
     monkeypatch.setattr(
@@ -789,7 +789,7 @@ def _tiny_torch_recipe(folder: Path) -> Path:
 
 
 def test_pipeline_reports_each_phase_in_order(tmp_path: Path) -> None:
-    from qtool.app.pipeline import quantize
+    from qtool.app.quantize import quantize
     from qtool.phases import listening
 
     recipe = load_recipe(_tiny_torch_recipe(tmp_path), tmp_path / "out")

@@ -20,7 +20,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import ModelError
 from qtool.model.prepare import prepare_model, tensor_types

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 
 RESNET_SOURCE = textwrap.dedent(

@@ -31,7 +31,8 @@ from qtool.algorithms.smoothquant import (
     smoothing_groups,
     smoothing_scale,
 )
-from qtool.app.pipeline import prepare, quantize
+from qtool.app.common import prepare
+from qtool.app.quantize import quantize
 from qtool.calibration.channels import (
     ChannelObserver,
     channel_file_bytes,
@@ -142,9 +143,9 @@ def runs(folder):
 def test_groups_fold_into_the_layer_norm_only_where_the_matmuls_are_its_only_readers(folder):
     recipe = load_recipe(_write_recipe(folder, "groups", "  algorithms: [smoothquant]\n"))
     prepared = prepare(recipe)
-    groups = smoothing_groups(prepared.model, prepared.layout)
+    groups = smoothing_groups(prepared.model.model, prepared.layout)
     assert [len(g.members) for g in groups] == [3, 1, 1]  # q/k/v share one s; fc1; fc2
-    producer = {o: n for n in prepared.model.graph.node for o in n.output}
+    producer = {o: n for n in prepared.model.model.graph.node for o in n.output}
     assert groups[0].layer_norm == producer[groups[0].input].name  # norm1: q, k, v only
     assert producer[groups[1].input].op_type == "LayerNormalization"
     assert groups[1].layer_norm is None  # norm2 also feeds the residual Add
@@ -154,20 +155,20 @@ def test_groups_fold_into_the_layer_norm_only_where_the_matmuls_are_its_only_rea
 def test_smoothing_keeps_the_float_function(folder):
     recipe = load_recipe(_write_recipe(folder, "function", "  algorithms: [smoothquant]\n"))
     prepared = prepare(recipe)
-    groups = smoothing_groups(prepared.model, prepared.layout)
+    groups = smoothing_groups(prepared.model.model, prepared.layout)
     # Every group smoothed at a strong alpha, so a wrong fold or transpose would show.
     rng = np.random.default_rng(3)
     choices = {}
     for group in groups:
         scale = rng.uniform(0.05, 20.0, size=D if group is not groups[2] else 4 * D)
         choices[group.input] = Choice(0.5, scale.astype(np.float32), {}, {}, "test")
-    smoothed, reads, _ = smooth_model(prepared.model, groups, choices)
+    smoothed, reads, _ = smooth_model(prepared.model.model, groups, choices)
     onnx.checker.check_model(smoothed)
     ops = [n.op_type for n in smoothed.graph.node]
-    assert ops.count("Mul") == [n.op_type for n in prepared.model.graph.node].count("Mul") + 2
+    assert ops.count("Mul") == [n.op_type for n in prepared.model.model.graph.node].count("Mul") + 2
     assert reads[groups[0].input] == groups[0].input  # folded: the tensor keeps its name
     x = np.load(folder / "eval.npz")["x"]
-    before, after = _run(prepared.model, x), _run(smoothed, x)
+    before, after = _run(prepared.model.model, x), _run(smoothed, x)
     np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4 * np.abs(before).max())
 
 
@@ -245,20 +246,22 @@ def test_a_kept_layer_is_reported_and_left_alone(folder):
 def test_channel_statistics_are_exact_and_batch_size_independent(folder):
     recipe = load_recipe(_write_recipe(folder, "channels", "  algorithms: [smoothquant]\n"))
     prepared = prepare(recipe)
-    groups = smoothing_groups(prepared.model, prepared.layout)
+    groups = smoothing_groups(prepared.model.model, prepared.layout)
     x = np.load(folder / "calib.npz")["x"]
     results = []
     for batch in (7, 32):
         observers = [ChannelObserver(g.input, 50) for g in groups]
         batches = (Batch({"x": x[i : i + batch]}, None) for i in range(0, len(x), batch))
-        collect(prepared.model, [], batches, bins=256, progress=False, channel_observers=observers)
+        collect(
+            prepared.model.model, [], batches, bins=256, progress=False, channel_observers=observers
+        )
         results.append({o.name: o.result() for o in observers})
     a, b = results
     assert channel_file_bytes(a, "f" * 64) == channel_file_bytes(b, "f" * 64)
     # Against the tensors themselves, fetched from ORT over all rows at once.
     names = [g.input for g in groups]
     model = onnx.ModelProto()
-    model.CopyFrom(prepared.model)
+    model.CopyFrom(prepared.model.model)
     typed = {vi.name: vi for vi in model.graph.value_info}
     model.graph.output.extend(typed[n] for n in names)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

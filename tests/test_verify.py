@@ -26,7 +26,7 @@ def test_quantize_warns_when_ort_cannot_fuse(tmp_path) -> None:
     form QLinearConv: the report and the warnings must say it runs in float."""
     import textwrap
 
-    from qtool.app.pipeline import quantize
+    from qtool.app.quantize import quantize
     from qtool.config.recipe import load_recipe
 
     (tmp_path / "model.py").write_text(

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qtool.app.pipeline import quantize
+from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.ort.cpu import detect_cpu, resolve_cpu
 from qtool.plan.layout import WeightSlot

@@ -35,9 +35,8 @@ XᵀX of X / s is diag(1/s) XᵀX diag(1/s).
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,13 +44,12 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS
-from qtool.calibration.channels import ChannelObserver, ChannelStats, channels_path, load_channels
+from qtool.calibration.channels import ChannelStats
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
-from qtool.config.recipe import Recipe
+from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError, RecipeError
-from qtool.model.prepare import tensor_types
-from qtool.plan.layout import Layout, plan_layout
+from qtool.plan.layout import Layout
 from qtool.write.params import activation_params, quantize_weight
 
 __all__ = [
@@ -59,7 +57,8 @@ __all__ = [
     "SmoothGroup",
     "Choice",
     "smoothing_groups",
-    "channel_observers",
+    "check_method",
+    "requests",
     "search_alpha",
     "smooth_model",
     "apply_smoothquant",
@@ -193,30 +192,22 @@ def _foldable_layer_norm(
     )
 
 
-def check_recipe(recipe: Recipe) -> dict | None:
-    """SmoothQuant's parameters when the recipe turns it on (None otherwise), refusing what the
-    one-pass range derivation cannot serve (see the module docstring)."""
-    params = recipe.quantization.algorithm("smoothquant")
-    if params is None:
-        return None
-    if recipe.calibration.method != "minmax":
+def check_method(method: str, where: str) -> None:
+    """Refuse what the one-pass range derivation cannot serve (see the module docstring)."""
+    if method != "minmax":
         raise RecipeError(
-            f"{recipe.path}: {_WHERE}: needs calibration.method minmax, got "
-            f"{recipe.calibration.method!r} (the smoothed inputs' ranges are derived exactly from "
-            "per-channel min/max; a histogram of X / s cannot be derived from X's)"
+            f"{where}: {_WHERE}: needs calibration.method minmax, got {method!r} (the smoothed "
+            "inputs' ranges are derived exactly from per-channel min/max; a histogram of X / s "
+            "cannot be derived from X's)"
         )
-    return params
 
 
-def channel_observers(
-    recipe: Recipe, model: onnx.ModelProto, layout: Layout
-) -> list[ChannelObserver]:
-    """One observer per input SmoothQuant may smooth (none when the recipe does not ask), for
-    the calibration pass: `collect(..., channel_observers=...)`."""
-    params = check_recipe(recipe)
-    if params is None:
-        return []
-    return [ChannelObserver(g.input, params["rows"]) for g in smoothing_groups(model, layout)]
+def requests(model: onnx.ModelProto, layout: Layout, params: Mapping) -> StatisticRequests:
+    """Per-channel statistics of every input SmoothQuant may smooth, for the calibration pass."""
+    groups = smoothing_groups(model, layout)
+    return StatisticRequests(
+        channels=tuple((g.input, params["rows"]) for g in groups), channels_for=_WHERE
+    )
 
 
 def _weights_kn(model: onnx.ModelProto, group: SmoothGroup) -> list[np.ndarray]:
@@ -426,7 +417,7 @@ def _derived_stats(
     """The smoothed input's min-max statistics, derived from the per-channel min/max.
 
     Carries exact min/max and no histogram (an empty one): only min-max ranges are taken from
-    it, which check_recipe guarantees."""
+    it, which check_method guarantees."""
     slot = layout.activations.get(group.input)
     if slot is None or slot.stats_tensor not in stats:
         raise CalibrationError(
@@ -505,32 +496,41 @@ def _group_entry(
     return entry
 
 
-def apply_smoothquant(recipe: Recipe, prepared: Any, calibration: Any, stats_path: Path):
-    """The pipeline stage: (prepared, calibration, report entry or None).
+@dataclass
+class Smoothed:
+    """The smoothed float model, its plan, the statistics and Hessians of its smoothed inputs,
+    and the report entry; the stats files stay keyed to the unsmoothed model they came from."""
 
-    `prepared` and `calibration` are the pipeline's PreparedModel and Calibration. The returned
-    PreparedModel holds the smoothed model and its new layout; its `serialized` and
-    `fingerprint` stay the unsmoothed prepared model's (the float model written beside the
-    quantized one, its provenance, and the key of the stats files, which were collected on it).
-    The returned Calibration holds stats for the smoothed inputs and transformed Hessians.
-    """
-    params = check_recipe(recipe)
-    if params is None:
-        return prepared, calibration, None
-    model, layout = prepared.model, prepared.layout
+    model: onnx.ModelProto
+    layout: Layout
+    stats: dict[str, TensorStats]
+    hessians: dict[str, HessianAccumulator]
+    entry: dict = field(default_factory=dict)
+
+
+def apply_smoothquant(
+    model: onnx.ModelProto,
+    layout: Layout,
+    params: Mapping,
+    channels: Mapping[str, ChannelStats],
+    stats: Mapping[str, TensorStats],
+    hessians: Mapping[str, HessianAccumulator],
+    symmetric: bool,
+    replan: Callable[[onnx.ModelProto], Layout],
+    channels_source: str,
+) -> Smoothed:
+    """Search alpha per smoothed input, smooth the model, and re-plan it with `replan` (the
+    pipeline's plan stage, so the smoothed model is planned as any other).
+
+    `channels`: the per-channel statistics of the calibration pass (`channels_source` names
+    where they came from, for errors)."""
     groups = smoothing_groups(model, layout)
-    channels = calibration.channels
-    if channels is None:
-        channels = load_channels(
-            channels_path(stats_path), prepared.fingerprint, calibration.data_sha256
-        )
     missing = [g.input for g in groups if g.input not in channels]
     if missing:
         raise CalibrationError(
-            f"{channels_path(stats_path)}: no per-channel statistics for '{missing[0]}' "
+            f"{channels_source}: no per-channel statistics for '{missing[0]}' "
             f"({len(missing)} missing; re-run `qtool calibrate` with this recipe)"
         )
-    symmetric = recipe.quantization.symmetric_activations
     choices = {}
     for group in groups:
         weights = _weights_kn(model, group)
@@ -538,13 +538,8 @@ def apply_smoothquant(recipe: Recipe, prepared: Any, calibration: Any, stats_pat
             channels[group.input], weights, group.members, params["alpha"], symmetric
         )
     smoothed, reads, divided_by = smooth_model(model, groups, choices)
-    float_tensors = {
-        name for name, (elem, _) in tensor_types(smoothed).items() if elem == onnx.TensorProto.FLOAT
-    }
-    new_layout = plan_layout(
-        smoothed, recipe.quantization, float_tensors, recipe.calibration.method, str(recipe.path)
-    )
-    stats = {s.name: s for s in calibration.stats}
+    new_layout = replan(smoothed)
+    stats = dict(stats)
     derived = {}
     for group in groups:
         if choices[group.input].applied:
@@ -559,7 +554,7 @@ def apply_smoothquant(recipe: Recipe, prepared: Any, calibration: Any, stats_pat
                 f"SmoothQuant: divides '{name}' by its smoothing factors (the MatMuls reading "
                 "it carry them in their weights)"
             )
-    hessians = _transform_hessians(calibration.hessians, reads, choices, new_layout)
+    new_hessians = _transform_hessians(dict(hessians), reads, choices, new_layout)
     entry = {
         "alpha": params["alpha"],
         "alphas_searched": list(SMOOTHQUANT_ALPHAS) if params["alpha"] == "auto" else None,
@@ -575,8 +570,4 @@ def apply_smoothquant(recipe: Recipe, prepared: Any, calibration: Any, stats_pat
             _group_entry(g, channels[g.input], choices[g.input], reads, divided_by) for g in groups
         ],
     }
-    new_prepared = dataclasses.replace(prepared, model=smoothed, layout=new_layout)
-    new_calibration = dataclasses.replace(
-        calibration, stats=list(stats.values()), hessians=hessians
-    )
-    return new_prepared, new_calibration, entry
+    return Smoothed(smoothed, new_layout, stats, new_hessians, entry)

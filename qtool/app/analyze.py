@@ -7,13 +7,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from qtool.app.pipeline import prepare
+from qtool.app import settings
+from qtool.app.common import prepare
 from qtool.config.recipe import Recipe
 from qtool.io import commit_files
+from qtool.search import sensitivity
 from qtool.search.plan_file import plan_yaml
 from qtool.search.plot import PlotUnavailable, plot_png
 from qtool.search.result import SensitivityResult
-from qtool.search.sensitivity import analyze, check_request, parse_candidates, parse_modes
+from qtool.search.sensitivity import parse_candidates, parse_modes
 from qtool.search.sensitivity_report import (
     layer_table,
     sensitivity_json,
@@ -37,10 +39,12 @@ def run(
 ) -> SensitivityResult:
     modes = parse_modes(mode)
     chosen = parse_candidates(candidates) if candidates is not None else None
-    check_request(recipe, samples, metric)
+    job = settings.job(recipe)
+    sensitivity.check_request(job, samples, metric)
     prepared = prepare(recipe)
-    result = analyze(
-        recipe,
+    result = sensitivity.analyze(
+        prepared,
+        job,
         stats_path=stats,
         modes=modes,
         candidates=chosen,
@@ -48,13 +52,12 @@ def run(
         metric=metric,
         progress=progress,
         use_cache=use_cache,
-        prepared=prepared,
     )
     out = recipe.output_dir
     files = {
         out / "sensitivity.json": sensitivity_json(result),
         out / "plan.yaml": plan_yaml(
-            prepared.model,
+            prepared.model.model,
             recipe.quantization,
             prepared.layout.plan,
             [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
@@ -81,3 +84,15 @@ def run(
     written = ", ".join(str(path) for path in files)
     console.print(f"wrote {written}", highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def analyze(recipe: Recipe, *, prepared=None, **options) -> SensitivityResult:
+    """The sensitivity analysis of a recipe's plan (sensitivity.analyze on the recipe's typed
+    settings); `prepared`: the recipe's prepared model when the caller has it."""
+    prepared = prepared if prepared is not None else prepare(recipe)
+    return sensitivity.analyze(prepared, settings.job(recipe), **options)
+
+
+def analysis_batches(recipe: Recipe, samples: int):
+    """The first `samples` samples of the recipe's evaluation data."""
+    return sensitivity.analysis_batches(settings.job(recipe), samples)

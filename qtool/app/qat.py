@@ -16,54 +16,44 @@ same weights, so one export is the model.
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import onnx
-import torch
 
 from qtool import distributed, kernels
-from qtool.app.pipeline import (
-    PreparedModel,
-    source_sha256,
-    stamp_provenance,
-    statistics,
-    verify_feeds,
-)
+from qtool.app import settings
+from qtool.app.common import statistics
 from qtool.config.recipe import Recipe
 from qtool.data.batches import iter_batches
-from qtool.errors import ModelError, RecipeError
+from qtool.errors import RecipeError
 from qtool.io import commit_files
 from qtool.model.load import build_pytorch_module, check_inputs, export_module, fit_ir_version
-from qtool.model.opset21 import TARGET_OPSET
-from qtool.model.prepare import prepare_model, tensor_types
 from qtool.ort.cpu import resolve_cpu
-from qtool.ort.sessions import create_session
 from qtool.phases import phase
-from qtool.plan.layout import plan_layout
+from qtool.pipeline import planning
+from qtool.pipeline.build import Built
+from qtool.pipeline.finish import verify_and_report, verify_feeds
+from qtool.pipeline.float_model import freeze, prepare_in_place, source_sha256
+from qtool.pipeline.prepare import Prepared
 from qtool.qat import export
 from qtool.qat.fold import fold_batchnorm
 from qtool.qat.instrument import FakeQuantModel
-from qtool.qat.mapping import WeightTie, activation_sites, check_sites, initializer_state
+from qtool.qat.mapping import activation_sites, check_sites, initializer_state
 from qtool.qat.mapping import weight_parameters as map_weights
 from qtool.qat.spec import QatSpec
+from qtool.qat.stores import int8_compute_inputs, weight_stores
 from qtool.qat.train import TrainingSet, deterministic, make_loss, train
-from qtool.report import build_report, report_bytes
-from qtool.runtime.verify import verify
+from qtool.report import report_bytes
 from qtool.write.assemble import (
     activation_parameters,
     bias_parameters,
     integer_kernel_weights,
     weight_parameters,
 )
-from qtool.write.int4 import BlockwiseWeight
-from qtool.write.low_bit import quantize_low_bit
 from qtool.write.matmul_nbits import nbits_level
-from qtool.write.qdq import nbits_readers, write_qdq_model
-from qtool.write.weight_format import choose_weight
+from qtool.write.qdq import write_qdq_model
 
 _STACK = 256  # samples per chunk when the training / evaluation set is read into memory
 
@@ -91,35 +81,25 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
     return recipe.qat or QatSpec()
 
 
-def _prepare(recipe: Recipe, net) -> PreparedModel:
-    """pipeline.prepare for an already built (BN-folded) module: the same export and stages."""
+def _prepare(recipe: Recipe, net) -> Prepared:
+    """The prepare stage for an already built (BN-folded) module: the same export, preparation
+    and plan as `qtool quantize`, from the module instead of the recipe's factory."""
+    where = str(recipe.path)
     loaded = export_module(net, recipe.model, recipe.inputs)
     check_inputs(loaded, recipe.inputs, str(recipe.model.pytorch))
     fit_ir_version(loaded, str(recipe.model.pytorch))
-    min_opset = recipe.model.opset
-    if recipe.quantization.may_need_opset21:
-        min_opset = max(min_opset, TARGET_OPSET)
-    with phase("preparing graph"):
-        model = prepare_model(loaded, min_opset=min_opset, copy=False)
-    float_tensors = {
-        name for name, (elem, _) in tensor_types(model).items() if elem == onnx.TensorProto.FLOAT
-    }
-    layout = plan_layout(
-        model, recipe.quantization, float_tensors, recipe.calibration.method, str(recipe.path)
-    )
-    if not layout.quantized_nodes():
-        raise ModelError(f"{recipe.path}: no node can be quantized with this recipe")
+    min_opset = planning.min_opset(recipe.model.opset, recipe.quantization)
+    model = prepare_in_place(loaded, min_opset)
+    del loaded
+    frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model))
+    layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)
     for node in layout.plan:
         if node.weight is not None and node.weight.method == "gptq":
             raise RecipeError(
-                f"{recipe.path}: node '{node.name}': weight method gptq: QAT trains the weights; "
+                f"{where}: node '{node.name}': weight method gptq: QAT trains the weights; "
                 "use minmax or mse in a QAT recipe"
             )
-    serialized = model.SerializeToString()
-    fingerprint = hashlib.sha256(serialized).hexdigest()
-    return PreparedModel(
-        onnx.load_from_string(serialized), serialized, fingerprint, layout, source_sha256(recipe)
-    )
+    return Prepared(frozen, layout)
 
 
 def _stack(spec, recipe: Recipe, max_samples: int | None):
@@ -129,75 +109,6 @@ def _stack(spec, recipe: Recipe, max_samples: int | None):
     inputs = {n: np.concatenate([b.inputs[n] for b in batches]) for n in names}
     labels = None if batches[0].labels is None else np.concatenate([b.labels for b in batches])
     return inputs, labels, batches
-
-
-def _weight_stores(
-    prepared: PreparedModel, recipe: Recipe, cpu, device: str, ties: dict[str, WeightTie]
-) -> dict:
-    """Parameter name -> (its float value -> the writer's stored form, transposed?), per weight
-    the same function weight_parameters calls. A transposed tie stores the parameter's
-    transpose, the initializer's layout, and reads it back transposed."""
-    layout = prepared.layout
-    integer = integer_kernel_weights(layout)
-    plans = layout.plan.weight_plans()
-    spec = recipe.quantization
-    stores = {}
-    for name, slot in layout.weights.items():
-        plan, tie = plans[name], ties[name]
-        if name in integer:
-
-            def store(w, slot=slot, plan=plan, flip=tie.transposed):
-                w = np.ascontiguousarray(w.T) if flip else w
-                return choose_weight(w, slot, plan, cpu, spec.saturation, device)
-        else:
-
-            def store(w, slot=slot, plan=plan, flip=tie.transposed):
-                return quantize_low_bit(np.ascontiguousarray(w.T) if flip else w, slot, plan)
-
-        stores[tie.parameter] = (store, slot.transposed != tie.transposed)
-    return stores
-
-
-# MatMulNBits' accuracy level that quantizes the kernel's float input to int8 (ORT 1.31)
-INT8_COMPUTE_LEVEL = 4
-
-
-def _int8_compute_inputs(
-    model: onnx.ModelProto,
-    layout,
-    stores: dict,
-    ties: dict[str, WeightTie],
-    net: torch.nn.Module,
-    level: int | None,
-) -> dict[str, int]:
-    """Module path -> block size of every 4-bit weight the writer will emit as MatMulNBits with
-    int8 compute: the module's input must be fake-quantized as the kernel quantizes it, or the
-    deployed model is not the one that trained (measured: 1.07 output steps apart, digits-like
-    rows model, AVX-512 VNNI). Level 1 (fp32 compute) and QDQ-format weights need nothing."""
-    if level != INT8_COMPUTE_LEVEL:
-        return {}
-    plans = layout.plan.weight_plans()
-    low_bit = {}
-    for name, tie in ties.items():
-        if plans[name].bits != 4:
-            continue
-        store, _ = stores[tie.parameter]
-        stored = store(net.get_parameter(tie.parameter).detach().cpu().numpy())
-        if isinstance(stored, BlockwiseWeight):
-            low_bit[name] = stored
-    transposed = {name for name, slot in layout.weights.items() if slot.transposed}
-    inputs = {}
-    for name, node in sorted(nbits_readers(model.graph, low_bit, transposed).items()):
-        path = ties[name].parameter.rpartition(".")[0]
-        if not isinstance(net.get_submodule(path), torch.nn.Linear):
-            raise ModelError(
-                f"node '{node}': its 4-bit weight is written as MatMulNBits with int8 compute, "
-                f"which quantizes the node's input; qtool qat emulates that only for nn.Linear, "
-                f"and '{path}' is {type(net.get_submodule(path)).__name__} (set "
-                "quantization.accuracy_level: 1 for fp32 compute)"
-            )
-        inputs[path] = int(low_bit[name].block_size)
-    return inputs
 
 
 def run_qat(
@@ -223,9 +134,10 @@ def run_qat(
         net.eval()
         teacher = copy.deepcopy(net)
     prepared = _prepare(recipe, net)
-    layout, model = prepared.layout, prepared.model
-    calibration, stats_path = statistics(recipe, prepared, stats_path, progress, group)
-    stats = {s.name: s for s in calibration.stats}
+    layout, model = prepared.layout, prepared.model.model
+    calibration = statistics(recipe, prepared, stats_path, progress, group)
+    stats = calibration.by_name()
+    feeds = verify_feeds(settings.calibration_data(recipe))
     device = kernels.default_device()
     cpu = resolve_cpu(recipe.quantization.cpu)
     symmetric = recipe.quantization.symmetric_activations
@@ -234,7 +146,7 @@ def run_qat(
     with phase("mapping the plan to the PyTorch modules"):
         sites = activation_sites(model, layout, names)
         ties = map_weights(model, layout, net)
-        check_sites(net, model, sites, verify_feeds(recipe)[0])
+        check_sites(net, model, sites, feeds[0])
     initializers = {init.name for init in model.graph.initializer}
     plain = {n: p.detach().numpy() for n, p in net.named_parameters()}
     _, unused = initializer_state(plain, ties, initializers)
@@ -245,9 +157,9 @@ def run_qat(
     learned = frozenset()
     if qat.learn_scales:
         learned = frozenset(layout.weights) - integer_kernel_weights(layout)
-    stores = _weight_stores(prepared, recipe, cpu, device, ties)
+    stores = weight_stores(layout, recipe.quantization.saturation, cpu, device, ties)
     nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
-    int8_inputs = _int8_compute_inputs(model, layout, stores, ties, net, nbits)
+    int8_inputs = int8_compute_inputs(model, layout, stores, ties, net, nbits)
     fake = FakeQuantModel(
         net,
         sites,
@@ -289,7 +201,7 @@ def run_qat(
             export.torch_outputs(fake, eval_feeds, names), eval_labels
         )
     identity = {
-        "float_model_sha256": prepared.fingerprint,
+        "float_model_sha256": prepared.model.fingerprint,
         "calibration_data_sha256": calibration.data_sha256 or "none",
         "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
         "seed": seed,
@@ -332,21 +244,24 @@ def run_qat(
         quantized = write_qdq_model(
             trained_model, layout, activations, weights, biases, recipe.quantization.target, nbits
         )
-        stamp_provenance(quantized, recipe, prepared, calibration)
-        source = quantized.SerializeToString()
-    try:
-        create_session(source)
-    except Exception as exc:
-        raise ModelError(f"the QAT model does not load in ONNX Runtime: {exc}") from None
-    with phase("verifying what ONNX Runtime runs"):
-        verification = verify(
-            source,
-            layout.plan,
-            verify_feeds(recipe),
-            cpu,
-            target=recipe.quantization.target,
-            float_model=prepared.serialized,
-        )
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    built = Built(quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason)
+    files = {
+        "float_model": str(recipe.float_model_path),
+        "quantized_model": str(recipe.quant_model_path),
+        "stats": str(calibration.path),
+    }
+    finished = verify_and_report(
+        built,
+        prepared.model,
+        recipe.quant_model_path,
+        settings.report_header(recipe),
+        feeds,
+        files,
+        settings.settings_sha256(recipe),
+        calibration.data_sha256,
+    )
+    source = finished.source
     with phase("checking the export against the fake-quant model"):
         reference = export.torch_outputs(fake, check_feeds, names)
         unfused = export.ort_outputs(source, check_feeds, fused=False)
@@ -362,20 +277,7 @@ def run_qat(
         accuracy["fake_quant_after"] = export.accuracy(reference, eval_labels)
         accuracy["exported_unfused"] = export.accuracy(unfused, eval_labels)
         accuracy["exported_fused"] = export.accuracy(fused, eval_labels)
-    files = {
-        "float_model": str(recipe.float_model_path),
-        "quantized_model": str(recipe.quant_model_path),
-        "stats": str(stats_path),
-    }
-    node_inputs = {node.name: list(node.input) for node in model.graph.node}
-    report = build_report(
-        recipe, node_inputs, layout, activations, weights, files, cpu, verification.summary
-    )
-    report["int4_matmul"] = {
-        "format": recipe.quantization.resolved_int4_format,
-        "accuracy_level": nbits,
-        "why": nbits_reason,
-    }
+    report = finished.report
     report["qat"] = {
         "epochs": history.epochs_done,
         "resumed_after_epoch": history.resumed_from,
@@ -405,12 +307,6 @@ def run_qat(
             1 for t in activations if activations[t].scale != calibrated[t].scale
         ),
     }
-    commit_files(
-        {
-            **calibration.files,
-            recipe.quant_model_path: source,
-            recipe.report_path: report_bytes(report),
-        }
-    )
+    commit_files({**calibration.files, **finished.files, recipe.report_path: report_bytes(report)})
     group.barrier("waiting for rank 0 to write the QAT model")
-    return QatResult(recipe.quant_model_path, recipe.report_path, report, verification.warnings)
+    return QatResult(recipe.quant_model_path, recipe.report_path, report, finished.warnings)

@@ -11,23 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from qtool.config.recipe import Recipe
 from qtool.errors import RecipeError
 from qtool.model.opset21 import TARGET_OPSET
+from qtool.search.spec import MixedPrecisionSpec
 
 # Least to most precise: a promotion moves a node one step to the right.
 ORDER = ("int4", "int8", "float")
 INT4_FUSED_OPS = ("MatMul", "Gemm")
 
 
-def model_candidates(recipe: Recipe, opset: int, notes: list[str]) -> tuple[str, ...]:
-    """The candidate list for the whole model, least precise first."""
-    spec = recipe.mixed_precision
-    target = recipe.quantization.target
+def model_candidates(
+    spec: MixedPrecisionSpec | None, target: str, opset: int, where: str, notes: list[str]
+) -> tuple[str, ...]:
+    """The candidate list for the whole model, least precise first; `where` names the
+    settings' file in errors and notes."""
     if spec is not None and spec.candidates is not None:
         if "int4" in spec.candidates and opset < TARGET_OPSET:
             raise RecipeError(
-                f"{recipe.path}: mixed_precision.candidates: int4 needs opset {TARGET_OPSET}, but "
+                f"{where}: mixed_precision.candidates: int4 needs opset {TARGET_OPSET}, but "
                 f"the recipe prepares opset {opset}; set model.opset: {TARGET_OPSET} (and "
                 "calibrate again: the stats belong to the prepared model)"
             )
@@ -36,7 +37,7 @@ def model_candidates(recipe: Recipe, opset: int, notes: list[str]) -> tuple[str,
         return ("int8", "float")
     if opset < TARGET_OPSET:
         notes.append(
-            f"int4 is not a candidate: {recipe.path} prepares opset {opset}, 4-bit weights need "
+            f"int4 is not a candidate: {where} prepares opset {opset}, 4-bit weights need "
             f"opset {TARGET_OPSET} (set model.opset: {TARGET_OPSET} to let the search use int4)"
         )
         return ("int8", "float")

@@ -9,9 +9,10 @@
 4. verify-and-promote (search.py) scores it on the full evaluation set as `qtool evaluate`
    would gate it, promoting nodes until it passes or no more plans may be tried.
 
-The chosen plan is the recipe plus one `overrides:` entry per precision, so the pipeline writes
-it with its ordinary stages (writer, verify, report) and plan.yaml reproduces it exactly. When
-no plan meets the budget, the best one measured is written as model.failed.onnx and
+The chosen plan is the settings' plan plus one `overrides:` entry per precision; the search
+returns that Plan and the very model it verified (built by the pipeline's build stage, with the
+settings' algorithms), which is what `qtool quantize --auto` writes, and plan.yaml reproduces it.
+When no plan meets the budget, the best one measured is written as model.failed.onnx and
 plan.failed.yaml, report.json says why, and the CLI exits 1.
 """
 
@@ -21,20 +22,21 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from rich.console import Console
 
 from qtool.calibration.hessian_file import load_hessians
-from qtool.calibration.stats_file import load_stats
-from qtool.config.recipe import Recipe
-from qtool.data.batches import Batch, iter_batches
+from qtool.calibration.stats_file import load_stats, stats_data_sha256
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
-from qtool.ort.cpu import resolve_cpu
 from qtool.ort.sessions import create_session
 from qtool.phases import phase
+from qtool.pipeline.build import Built, build_quantized
+from qtool.pipeline.job import Job
+from qtool.pipeline.prepare import Prepared
+from qtool.pipeline.statistics import Statistics
 from qtool.plan.settings import Override
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.profile import NodeTimes, node_times
@@ -51,9 +53,6 @@ from qtool.search.sensitivity import analyze
 from qtool.search.spec import MixedPrecisionSpec
 from qtool.search.variants import Assembler, pin
 
-if TYPE_CHECKING:  # pipeline imports this module inside its quantize stage (no cycle)
-    from qtool.app.pipeline import PreparedModel
-
 LATENCY_RUNS = 30
 PROFILE_RUNS = 20  # profiled runs per uniform model (median per node) for objective: latency
 ANALYSIS_MODES = ("one-at-a-time",)
@@ -61,13 +60,16 @@ ANALYSIS_MODES = ("one-at-a-time",)
 
 @dataclass
 class MixedOutcome:
-    """What the pipeline needs from the stage: where to write the model, the extra files
-    (plan.yaml), and report.json's `mixed_precision` block."""
+    """The search's result: the chosen Plan (in `built.layout`) and the model built and verified
+    for it, the statistics it was built from, where to write it, the extra files (plan.yaml),
+    and report.json's `mixed_precision` block."""
 
     passed: bool
     model_path: Path
     files: dict[Path, bytes]
     block: dict
+    built: Built
+    statistics: Statistics
     notes: list[str] = field(default_factory=list)
     # The models the block measured (float, int8, int4, chosen), with keep_models only.
     models: dict[str, bytes] = field(default_factory=dict)
@@ -100,30 +102,29 @@ def _pins(plan: Mapping[str, str]) -> list[Override]:
     return pins
 
 
-def _evaluation_batches(recipe: Recipe) -> list[Batch]:
-    spec = recipe.evaluation
-    batches = list(iter_batches(spec.data, recipe.inputs, spec.batch_size, None, recipe.seed))
+def _evaluation_batches(job: Job) -> list[Batch]:
+    batches = list(job.evaluation_data.batches())
     if not batches:
-        raise DataError(f"{spec.data.where}: the evaluation data is empty")
+        raise DataError(f"{job.evaluation_data.spec.where}: the evaluation data is empty")
     return batches
 
 
-def _assembler(recipe: Recipe, prepared: PreparedModel, stats_path: Path) -> Assembler:
-    """An assembler on the statistics the analysis used (it calibrated them when there were
-    none)."""
+def _statistics(prepared: Prepared, job: Job, stats_path: Path) -> Statistics:
+    """The statistics the analysis used (it calibrated them when there were none), and the
+    per-channel statistics beside them that SmoothQuant reads."""
     stats, fingerprint = load_stats(stats_path)
-    if fingerprint != prepared.fingerprint:
+    if fingerprint != prepared.model.fingerprint:
         raise CalibrationError(
-            f"{stats_path}: collected on a different model than {recipe.path} describes "
+            f"{stats_path}: collected on a different model than {job.where} describes "
             "(re-run `qtool calibrate`)"
         )
     hessians = {}
     if prepared.layout.hessian_tensors():
         path = stats_path.parent / "hessians.npz"
         if path.is_file():
-            hessians = load_hessians(path, prepared.fingerprint)
-    return Assembler(
-        recipe, prepared.model, stats, hessians, cpu=resolve_cpu(recipe.quantization.cpu)
+            hessians = load_hessians(path, prepared.model.fingerprint)
+    return Statistics(
+        list(stats.values()), hessians, {}, stats_data_sha256(stats_path), path=stats_path
     )
 
 
@@ -134,14 +135,14 @@ def _op_types(model: bytes, names: Sequence[str]) -> dict[str, str]:
 
 
 def _profiles(
-    prepared: PreparedModel,
+    prepared: Prepared,
     references: Mapping[str, tuple[bytes, dict[str, str]]],
     names: Sequence[str],
     feed: Mapping[str, np.ndarray],
 ) -> dict[str, NodeTimes]:
     """Per-node medians (runtime/profile) on the float model and on each all-int8 / all-int4
     model: a node's time at a precision is read from the uniform model that runs it so."""
-    models = {"float": prepared.serialized}
+    models = {"float": prepared.model.serialized}
     models.update({p: model for p, (model, _) in references.items()})
     return {
         precision: node_times(model, _op_types(model, names), feed, PROFILE_RUNS)
@@ -150,8 +151,8 @@ def _profiles(
 
 
 def _problem(
-    recipe: Recipe,
-    prepared: PreparedModel,
+    job: Job,
+    prepared: Prepared,
     analysis: SensitivityResult,
     assembler: Assembler,
     candidates: Sequence[str],
@@ -162,7 +163,7 @@ def _problem(
     """Each node's choices: its candidates that were measured and that the layout really gives
     it, priced in bytes from the all-int8 and all-int4 models the writer builds, and with a
     `feed` (the latency objective) in profiled microseconds on those models and the float one."""
-    target = recipe.quantization.target
+    target = job.build.quantization.target
     units = analysis.nodes
     names = [u.name for u in units]
     allowed: dict[str, list[str]] = {}
@@ -174,9 +175,10 @@ def _problem(
             )
             if analysis.penalty(unit.name, p) is not None
         ]
-    inputs = {name: costs.constant_inputs(prepared.model, name) for name in names}
+    float_graph = prepared.model.model
+    inputs = {name: costs.constant_inputs(float_graph, name) for name in names}
     prices: dict[str, dict[str, int]] = {
-        name: {"float": costs.node_bytes(prepared.model, inputs[name])} for name in names
+        name: {"float": costs.node_bytes(float_graph, inputs[name])} for name in names
     }
     references: dict[str, tuple[bytes, dict[str, str]]] = {}
     for precision in ("int8", "int4"):
@@ -198,7 +200,7 @@ def _problem(
         problem = assembler.missing(layout)
         if problem is not None:
             raise CalibrationError(
-                f"{recipe.stats_path}: cannot build the all-{precision} plan: {problem} "
+                f"{job.outputs.stats}: cannot build the all-{precision} plan: {problem} "
                 "(delete the stats file so that the search calibrates every tensor it needs)"
             )
         model = assembler.build(layout)
@@ -212,7 +214,7 @@ def _problem(
         usable = [p for p in ("float", "int8", "int4") if p in allowed[name] and p in prices[name]]
         if not usable:
             raise RecipeError(
-                f"{recipe.path}: mixed_precision: node {name!r} has no usable candidate among "
+                f"{job.where}: mixed_precision: node {name!r} has no usable candidate among "
                 f"{', '.join(candidates)} (add float to mixed_precision.candidates)"
             )
         sizes[name] = [Choice(p, float(prices[name][p]), analysis.penalty(name, p)) for p in usable]
@@ -221,7 +223,7 @@ def _problem(
             options[name] = [
                 Choice(p, profiles[p].nodes[name], analysis.penalty(name, p)) for p in usable
             ]
-    return _Problem(options, sizes, len(prepared.serialized), references, profiles)
+    return _Problem(options, sizes, len(prepared.model.serialized), references, profiles)
 
 
 def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | None:
@@ -285,73 +287,76 @@ def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dic
     return block
 
 
-def search_stage(
-    recipe: Recipe,
-    prepared: PreparedModel,
+def search(
+    prepared: Prepared,
+    job: Job,
+    spec: MixedPrecisionSpec,
     stats_path: Path | None,
     progress: bool = True,
     console: Console | None = None,
     keep_models: bool = False,
-) -> tuple[Recipe, PreparedModel, Path, MixedOutcome]:
-    """Choose the per-node precisions; return the recipe and prepared model with the chosen
-    plan (as overrides), the stats file to quantize with, and the outcome to report.
+) -> MixedOutcome:
+    """Choose the per-node precisions: the Plan, and the model built and verified for it.
     `keep_models`: keep the measured models in the outcome (benchmarks time them)."""
     console = console or Console()
-    spec = recipe.mixed_precision or MixedPrecisionSpec()
-    if recipe.evaluation is None:
+    if job.evaluation is None or job.evaluation_data is None:
         raise RecipeError(
-            f"{recipe.path}: evaluation: is required for mixed precision (plans are verified on "
+            f"{job.where}: evaluation: is required for mixed precision (plans are verified on "
             "its data)"
         )
-    if prepared.serialized is None:
+    float_model = prepared.model
+    if float_model.serialized is None:
         raise ModelError(
-            f"{recipe.path}: mixed precision does not support models stored as external data "
+            f"{job.where}: mixed precision does not support models stored as external data "
             "(over 2 GB) yet"
         )
     notes: list[str] = []
     explicit = spec.candidates is not None
-    candidates = model_candidates(recipe, _opset(prepared.model), notes)
-    batches = _evaluation_batches(recipe)
+    target = job.build.quantization.target
+    candidates = model_candidates(spec, target, _opset(float_model.model), job.where, notes)
+    batches = _evaluation_batches(job)
     labelled = batches[0].labels is not None
-    budget = resolve_budget(spec, recipe.evaluation, labelled, str(recipe.path))
+    budget = resolve_budget(spec, job.evaluation, labelled, job.where)
     # Passed to analyze only where it differs from the gate analyze picks by itself, so that a
     # plain `qtool analyze` run and this one share their cache.
-    default = choose_metric(recipe.evaluation, labelled, "", None).name
+    default = choose_metric(job.evaluation, labelled, "", None).name
     requested = None if default == budget.metric else budget.metric
     analysis = analyze(
-        recipe,
+        prepared,
+        job,
         stats_path=stats_path,
         modes=ANALYSIS_MODES,
         candidates=tuple(p for p in candidates if p != "float"),
         samples=spec.samples,
         metric=requested,
         progress=progress,
-        prepared=prepared,
     )
     notes.extend(analysis.notes)
-    algorithms = [name for name, _ in recipe.quantization.algorithms]
+    algorithms = [name for name, _ in job.build.quantization.algorithms]
     if algorithms:
         notes.append(
-            f"quantization.algorithms ({', '.join(algorithms)}) run on the chosen plan after the "
-            "search: the predicted and measured numbers are for the plan without them"
+            f"quantization.algorithms ({', '.join(algorithms)}): the analysis predicts each "
+            "node's penalty without them; every plan verified below is built with them, and the "
+            "model written is the one verified"
         )
-    stats_path = stats_path or recipe.stats_path
-    assembler = _assembler(recipe, prepared, stats_path)
-    feed = _feed(prepared.serialized, batches)
+    stats_path = stats_path or job.outputs.stats
+    statistics = _statistics(prepared, job, stats_path)
+    assembler = Assembler(job.build, float_model.model, statistics.by_name(), statistics.hessians)
+    feed = _feed(float_model.serialized, batches)
     timed = feed if spec.objective == "latency" else None
     with phase("pricing each node's precisions"):
-        problem = _problem(
-            recipe, prepared, analysis, assembler, candidates, explicit, notes, timed
-        )
+        problem = _problem(job, prepared, analysis, assembler, candidates, explicit, notes, timed)
     start, action = _start(problem, budget, notes)
-    scorer = Scorer(prepared.serialized, batches, recipe.evaluation, budget.metric)
+    scorer = Scorer(float_model.serialized, batches, job.evaluation, budget.metric)
     console.print(
         f"mixed precision: minimise {spec.objective} within {budget.describe()}; float "
         f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples",
         highlight=False,
         markup=False,
     )
-    built: dict[tuple, tuple[tuple[float, int], bytes]] = {}
+    # Kept: the plan measured last (it may pass) and the best so far (the failed plan, if
+    # none passes), each as the Built the build stage made and the bytes scored.
+    built: dict[tuple, tuple[tuple[float, int], Built, bytes]] = {}
 
     def measure(plan: Mapping[str, str]) -> Measured:
         layout = assembler.layout(_pins(plan))
@@ -361,16 +366,19 @@ def search_stage(
                 f"{stats_path}: cannot build a mixed plan: {problem} (the statistics the "
                 "analysis calibrated do not cover this combination of precisions)"
             )
-        model = assembler.build(layout).SerializeToString()
+        if algorithms:  # the whole build stage: the model written is the model verified
+            candidate = build_quantized(float_model, layout, statistics, job.build, False)
+        else:
+            candidate = assembler.built(layout)
+        model = candidate.model.SerializeToString()
         score = scorer.score(model)
         measured = Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
-        # Kept: this plan (it may pass) and the best so far (the failed plan, if none passes).
         key = tuple(sorted(plan.items()))
         best = min(built.items(), key=lambda kv: kv[1][0], default=None)
         built.clear()
         if best is not None:
             built[best[0]] = best[1]
-        built[key] = ((measured.penalty, measured.size), model)
+        built[key] = ((measured.penalty, measured.size), candidate, model)
         return measured
 
     with phase("verifying mixed-precision plans"):
@@ -390,14 +398,14 @@ def search_stage(
             ),
         )
     chosen = result.chosen
-    model_bytes = built[tuple(sorted(chosen.precisions.items()))][1]
+    _, chosen_built, model_bytes = built[tuple(sorted(chosen.precisions.items()))]
     references = {}
     for precision, (reference, _) in problem.references.items():
         score = scorer.score(reference)
         references[precision] = {"size_bytes": len(reference), "metric": score.value}
     references["float"] = {"size_bytes": problem.float_size, "metric": scorer.float_value}
     with phase("measuring latency"):
-        timed_models = {"float": prepared.serialized, "chosen": model_bytes}
+        timed_models = {"float": float_model.serialized, "chosen": model_bytes}
         if "int8" in problem.references:
             timed_models["int8"] = problem.references["int8"][0]
         latency = _latency(timed_models, feed)
@@ -409,26 +417,24 @@ def search_stage(
             "session overhead and are noisy on a shared machine"
         )
 
-    extra = _pins(chosen.precisions)
     quantization = dataclasses.replace(
-        recipe.quantization, overrides=tuple(recipe.quantization.overrides) + tuple(extra)
+        job.build.quantization,
+        overrides=tuple(job.build.quantization.overrides) + tuple(_pins(chosen.precisions)),
     )
-    chosen_recipe = dataclasses.replace(recipe, quantization=quantization)
-    layout = assembler.layout(extra)
-    chosen_prepared = dataclasses.replace(prepared, layout=layout)
-    out = recipe.output_dir
+    out = job.outputs.folder
     if result.passed:
-        plan_path, model_path = out / "plan.yaml", chosen_recipe.quant_model_path
+        plan_path = out / "plan.yaml"
+        model_path = job.outputs.quantized_model(quantization.uses_int4)
         heading = "the plan `qtool quantize --auto` chose"
     else:
         plan_path, model_path = out / "plan.failed.yaml", out / "model.failed.onnx"
         heading = "FAILED: the best plan `qtool quantize --auto` found; it misses the budget"
     comments = [
-        f"qtool mixed precision of {recipe.path}: {heading} ({budget.describe()}).",
+        f"qtool mixed precision of {job.where}: {heading} ({budget.describe()}).",
         f"measured {scorer.metric.name} {chosen.measured.value:.6g} (float "
         f"{scorer.float_value:.6g}) on {scorer.samples} evaluation samples.",
     ]
-    text = plan_yaml(prepared.model, quantization, layout.plan, comments)
+    text = plan_yaml(float_model.model, quantization, chosen_built.layout.plan, comments)
     block = mixed_block(
         spec,
         budget,
@@ -446,12 +452,18 @@ def search_stage(
     )
     models = {}
     if keep_models:
-        models = {"float": prepared.serialized, "chosen": model_bytes}
+        models = {"float": float_model.serialized, "chosen": model_bytes}
         models.update({p: reference for p, (reference, _) in problem.references.items()})
-    outcome = MixedOutcome(
-        result.passed, model_path, {plan_path: text.encode()}, block, notes, models
+    return MixedOutcome(
+        result.passed,
+        model_path,
+        {plan_path: text.encode()},
+        block,
+        chosen_built,
+        statistics,
+        notes,
+        models,
     )
-    return chosen_recipe, chosen_prepared, stats_path, outcome
 
 
-__all__ = ["MixedOutcome", "SearchResult", "search_stage"]
+__all__ = ["MixedOutcome", "SearchResult", "search"]

@@ -27,15 +27,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from qtool import __version__
-from qtool.app.pipeline import PreparedModel, calibrate, prepare
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
-from qtool.config.recipe import Recipe
-from qtool.data.batches import Batch, iter_batches
+from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, RecipeError
+from qtool.io import commit_files
 from qtool.model import provenance
 from qtool.model.opset21 import TARGET_OPSET
-from qtool.ort.cpu import resolve_cpu
+from qtool.pipeline.job import Job
+from qtool.pipeline.prepare import Prepared
+from qtool.pipeline.requests import requests_for
+from qtool.pipeline.statistics import collect_statistics
 from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
 from qtool.search.cache import AnalysisCache, cache_key
@@ -86,24 +88,24 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 def _candidates(
-    recipe: Recipe, prepared: PreparedModel, requested: Sequence[str] | None, notes: list[str]
+    job: Job, prepared: Prepared, requested: Sequence[str] | None, notes: list[str]
 ) -> tuple[str, ...]:
     """The candidates to measure. int4 needs the opset-21 model the stats were collected on,
     so it is never switched on by re-preparing behind the user's back."""
-    opset = _opset(prepared.model)
+    opset = _opset(prepared.model.model)
     if requested is not None:
         if "int4" in requested and opset < TARGET_OPSET:
             raise RecipeError(
-                f"--candidates int4: 4-bit weights need opset {TARGET_OPSET}, but {recipe.path} "
+                f"--candidates int4: 4-bit weights need opset {TARGET_OPSET}, but {job.where} "
                 f"prepares opset {opset}; set model.opset: {TARGET_OPSET} in the recipe (and "
                 "calibrate again: the stats belong to the prepared model)"
             )
         return tuple(requested)
-    if recipe.quantization.target == "tensorrt":
+    if job.build.quantization.target == "tensorrt":
         return ("int8",)
     if opset < TARGET_OPSET:
         notes.append(
-            f"int4 not analysed: {recipe.path} prepares opset {opset}, 4-bit weights need "
+            f"int4 not analysed: {job.where} prepares opset {opset}, 4-bit weights need "
             f"opset {TARGET_OPSET} (set model.opset: {TARGET_OPSET} to analyse int4)"
         )
         return ("int8",)
@@ -149,8 +151,8 @@ def _variants(
     return variants
 
 
-def _units(prepared: PreparedModel) -> list[NodeSensitivity]:
-    initializers = {i.name: i for i in prepared.model.graph.initializer}
+def _units(prepared: Prepared) -> list[NodeSensitivity]:
+    initializers = {i.name: i for i in prepared.model.model.graph.initializer}
     units = []
     for node in prepared.layout.plan.quantized():
         weight = node.weight.tensor if node.weight is not None else None
@@ -165,11 +167,11 @@ def _units(prepared: PreparedModel) -> list[NodeSensitivity]:
     return units
 
 
-def check_request(recipe: Recipe, samples: int, metric: str | None) -> None:
+def check_request(job: Job, samples: int, metric: str | None) -> None:
     """Refuse what cannot work before anything slow runs (export, calibration)."""
-    if recipe.evaluation is None:
+    if job.evaluation is None or job.evaluation_data is None:
         raise RecipeError(
-            f"{recipe.path}: evaluation: is required for `qtool analyze` (its data is scored)"
+            f"{job.where}: evaluation: is required for `qtool analyze` (its data is scored)"
         )
     if samples < 1:
         raise RecipeError(f"--samples: must be >= 1, got {samples}")
@@ -177,13 +179,11 @@ def check_request(recipe: Recipe, samples: int, metric: str | None) -> None:
         raise RecipeError(f"--metric: must be one of {', '.join(METRICS)}, got {metric!r}")
 
 
-def analysis_batches(recipe: Recipe, samples: int) -> list[Batch]:
-    """The first `samples` samples of the recipe's evaluation data."""
-    check_request(recipe, samples, None)
-    spec = recipe.evaluation
-    return list(
-        iter_batches(spec.data, recipe.inputs, min(spec.batch_size, samples), samples, recipe.seed)
-    )
+def analysis_batches(job: Job, samples: int) -> list[Batch]:
+    """The first `samples` samples of the evaluation data."""
+    check_request(job, samples, None)
+    data = job.evaluation_data
+    return list(data.batches(min(data.batch_size, samples), samples))
 
 
 def _data_digest(batches: Sequence[Batch]) -> str:
@@ -198,25 +198,51 @@ def _data_digest(batches: Sequence[Batch]) -> str:
     return digest.hexdigest()
 
 
+def calibrate_for(prepared: Prepared, job: Job, layouts: Sequence[Layout], progress: bool) -> None:
+    """Calibrate for every tensor any of `layouts` needs and commit the stats file where
+    `qtool calibrate` writes it, so one file serves them all and `qtool quantize --stats`
+    of the settings' own plan."""
+    union = union_layout(layouts)
+    requests = requests_for(
+        prepared.model.model, union, job.build.quantization, job.build.calibration, job.where
+    )
+    model = prepared.model
+    try:
+        run = collect_statistics(
+            model,
+            requests,
+            job.build.data,
+            job.build.calibration.bins,
+            job.outputs,
+            job.where,
+            progress,
+            reload=False,
+            release=True,
+        )
+        commit_files(run.files)
+        model.float_file = None  # renamed into place
+    finally:
+        model.discard()
+
+
 def _statistics(
-    recipe: Recipe,
-    prepared: PreparedModel,
+    prepared: Prepared,
+    job: Job,
     layouts: Sequence[Layout],
     stats_path: Path | None,
     progress: bool,
 ) -> tuple[dict, dict, Path, list[str]]:
     """Stats and Hessians (and the files they came from) for the variants' layouts."""
     digests = []
+    fingerprint_expected = prepared.model.fingerprint
     if stats_path is None:
-        stats_path = recipe.stats_path
+        stats_path = job.outputs.stats
         if not stats_path.is_file():
-            # Calibrated for every tensor any variant needs, so one file serves them all and
-            # `qtool quantize --stats` of the recipe's own plan.
-            calibrate(recipe, dataclasses.replace(prepared, layout=union_layout(layouts)), progress)
+            calibrate_for(prepared, job, layouts, progress)
     stats, fingerprint = load_stats(stats_path)
-    if fingerprint != prepared.fingerprint:
+    if fingerprint != fingerprint_expected:
         raise CalibrationError(
-            f"{stats_path}: collected on a different model than {recipe.path} describes "
+            f"{stats_path}: collected on a different model than {job.where} describes "
             "(re-run `qtool calibrate`)"
         )
     digests.append(provenance.sha256_file(stats_path))
@@ -224,25 +250,26 @@ def _statistics(
     if any(layout.hessian_tensors() for layout in layouts):
         path = stats_path.parent / "hessians.npz"
         if path.is_file():
-            hessians = load_hessians(path, prepared.fingerprint)
+            hessians = load_hessians(path, fingerprint_expected)
             digests.append(provenance.sha256_file(path))
     return stats, hessians, stats_path, digests
 
 
 def _key_inputs(
-    recipe: Recipe,
-    prepared: PreparedModel,
+    job: Job,
+    prepared: Prepared,
     stats_digests: list[str],
     data_digest: str,
     samples: int,
     metric: str | None,
     cpu_description: str,
 ) -> dict:
-    evaluation = recipe.evaluation
+    evaluation = job.evaluation
+    calibration = job.build.calibration
     return {
         "qtool": __version__,
         "onnxruntime": onnxruntime.__version__,
-        "model_sha256": prepared.fingerprint,
+        "model_sha256": prepared.model.fingerprint,
         "stats_sha256": stats_digests,
         "data_sha256": data_digest,
         "samples": samples,
@@ -254,12 +281,8 @@ def _key_inputs(
             "min_cosine": evaluation.min_cosine,
             "min_sqnr": evaluation.min_sqnr,
         },
-        "quantization": repr(recipe.quantization),
-        "calibration": [
-            recipe.calibration.method,
-            recipe.calibration.percentile,
-            recipe.calibration.bins,
-        ],
+        "quantization": repr(job.build.quantization),
+        "calibration": [calibration.method, calibration.percentile, calibration.bins],
         "cpu": cpu_description,
     }
 
@@ -279,7 +302,8 @@ def _progress(enabled: bool) -> Progress:
 
 
 def analyze(
-    recipe: Recipe,
+    prepared: Prepared,
+    job: Job,
     *,
     stats_path: Path | None = None,
     modes: Sequence[str] = MODES,
@@ -291,25 +315,22 @@ def analyze(
     cache_dir: Path | None = None,
     threads: int | None = None,
     on_variant: Callable[[str, Measurement], None] | None = None,
-    prepared: PreparedModel | None = None,
 ) -> SensitivityResult:
     """Measure the recipe's plan node by node; see the module docstring for the modes.
 
     `candidates` None: int8, and int4 on an opset-21 model for ort-cpu. `samples`: the first N
-    samples of the recipe's evaluation data. `metric` None: the gate `qtool evaluate` judges
-    (scoring.choose_metric). `cache_dir` (default: the recipe's output dir) holds the cache.
-    `prepared`: the recipe's prepared model when the caller has it (pipeline.prepare).
+    samples of the evaluation data. `metric` None: the gate `qtool evaluate` judges
+    (scoring.choose_metric). `cache_dir` (default: the output folder) holds the cache.
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
-    check_request(recipe, samples, metric)
+    check_request(job, samples, metric)
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
     notes: list[str] = []
-    batches = analysis_batches(recipe, samples)
-    prepared = prepared if prepared is not None else prepare(recipe)
-    chosen = _candidates(recipe, prepared, candidates, notes)
-    algorithms = [name for name, _ in recipe.quantization.algorithms]
+    batches = analysis_batches(job, samples)
+    chosen = _candidates(job, prepared, candidates, notes)
+    algorithms = [name for name, _ in job.build.quantization.algorithms]
     if algorithms:
         notes.append(
             f"quantization.algorithms ({', '.join(algorithms)}) are not applied to the analysed "
@@ -320,24 +341,24 @@ def analyze(
 
     # Every variant is planned before any statistics are read (milliseconds each), so a
     # calibration run, when one is needed, covers all of them at once.
-    cpu = resolve_cpu(recipe.quantization.cpu)
-    assembler = Assembler(recipe, prepared.model, {}, cpu=cpu)
+    cpu = job.build.cpu()
+    assembler = Assembler(job.build, prepared.model.model, {}, cpu=cpu)
     layouts = {v.id: assembler.layout(v.overrides) for v in variants}
     stats, hessians, stats_path, digests = _statistics(
-        recipe, prepared, list(layouts.values()), stats_path, progress
+        prepared, job, list(layouts.values()), stats_path, progress
     )
     assembler.use_statistics(stats, hessians)
     inputs = _key_inputs(
-        recipe, prepared, digests, _data_digest(batches), samples, metric, cpu.describe()
+        job, prepared, digests, _data_digest(batches), samples, metric, cpu.describe()
     )
     key = cache_key(inputs)
-    cache = AnalysisCache(cache_dir or recipe.output_dir, key, inputs, enabled=use_cache)
+    cache = AnalysisCache(cache_dir or job.outputs.folder, key, inputs, enabled=use_cache)
 
     todo = [v for v in variants if v.id not in cache.variants]
     layer_needed = "layer" in modes and cache.layer is None
     scorer: Scorer | None = None
     if todo or layer_needed or not cache.header:
-        scorer = Scorer(prepared.serialized, batches, recipe.evaluation, metric, threads)
+        scorer = Scorer(prepared.model.serialized, batches, job.evaluation, metric, threads)
         cache.header = {
             "metric": dataclasses.asdict(scorer.metric),
             "float_value": json_number(scorer.float_value),
@@ -379,7 +400,9 @@ def analyze(
             start = time.perf_counter()
             if full_model is None:
                 full_model = assembler.build(assembler.layout(()))
-            scores = layer_sqnr(prepared.model, full_model, prepared.layout.plan, batches, threads)
+            scores = layer_sqnr(
+                prepared.model.model, full_model, prepared.layout.plan, batches, threads
+            )
             cache.layer = (round(time.perf_counter() - start, 4), scores)
             bar.advance(task)
     cache.save()
@@ -407,7 +430,7 @@ def analyze(
         notes.append(f"{len(skipped)} variant(s) not measured; first: {skipped[0]}")
     metric_info = Metric(**header["metric"])
     return SensitivityResult(
-        recipe=str(recipe.path),
+        recipe=job.where,
         metric=metric_info,
         samples=int(header["samples"]),
         modes=tuple(modes),

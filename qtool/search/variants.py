@@ -15,19 +15,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
 
-from qtool import kernels
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
-from qtool.config.recipe import Recipe
-from qtool.model.prepare import tensor_types
-from qtool.ort.cpu import CpuFeatures, resolve_cpu
-from qtool.plan.layout import Layout, plan_layout
+from qtool.ort.cpu import CpuFeatures
+from qtool.pipeline import planning
+from qtool.pipeline.build import BuildSettings, Built, build_quantized
+from qtool.pipeline.float_model import FloatModel
+from qtool.pipeline.param_cache import ParamCache
+from qtool.pipeline.statistics import Statistics
+from qtool.plan.layout import Layout
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
-from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
-from qtool.write.int4 import BlockwiseWeight
-from qtool.write.matmul_nbits import nbits_level
-from qtool.write.params import ActivationParams, WeightParams
-from qtool.write.qdq import write_qdq_model
 
 _GLOB_CHARS = "*?["
 _BITS = {"int4": 4, "int8": 8}
@@ -75,7 +72,9 @@ def union_layout(layouts: Iterable[Layout]) -> Layout:
 
 
 class Assembler:
-    """Builds QDQ models of plan variants from one prepared model, its statistics and Hessians.
+    """Builds QDQ models of plan variants from one float model, its statistics and Hessians,
+    through the build stage with a parameter cache (a variant that plans a node as before
+    reuses its parameters).
 
     `stats` and `hessians` may lack what some variant needs (a stats file collected for a
     weight-only plan has no activation ranges): `missing` says what, before `build` is called.
@@ -83,46 +82,42 @@ class Assembler:
 
     def __init__(
         self,
-        recipe: Recipe,
+        settings: BuildSettings,
         model: onnx.ModelProto,
         stats: Mapping[str, TensorStats],
         hessians: Mapping[str, HessianAccumulator] | None = None,
         cpu: CpuFeatures | None = None,
-        device: str | None = None,
     ) -> None:
-        self.recipe = recipe
+        self.settings = settings
         self.model = model
         self.stats = dict(stats)
         self.hessians = dict(hessians or {})
-        self.cpu = cpu if cpu is not None else resolve_cpu(recipe.quantization.cpu)
-        self.device = device if device is not None else kernels.default_device()
-        self.float_tensors = {
-            name
-            for name, (elem, _) in tensor_types(model).items()
-            if elem == onnx.TensorProto.FLOAT
-        }
-        self._activations: dict[str, ActivationParams] = {}  # by stats tensor
-        # (tensor, slot, plan fields, activations of its nodes) -> (params, plan fields after)
-        self._weights: dict[tuple, tuple[WeightParams | BlockwiseWeight, dict]] = {}
-        self.weight_cache_hits = 0
+        self.cpu = cpu if cpu is not None else settings.cpu()
+        self.float_tensors = planning.float_tensors(model)
+        self.cache = ParamCache()
+
+    @property
+    def weight_cache_hits(self) -> int:
+        return self.cache.weight_hits
 
     def use_statistics(
         self, stats: Mapping[str, TensorStats], hessians: Mapping[str, HessianAccumulator]
     ) -> None:
         """Statistics for the builds to come (before any build: the caches depend on them)."""
-        if self._activations or self._weights:
+        if not self.cache.empty:
             raise RuntimeError("statistics must be set before the first build")
         self.stats, self.hessians = dict(stats), dict(hessians)
 
     def layout(self, extra: Sequence[Override] = ()) -> Layout:
-        """The plan and QDQ slots of the recipe with `extra` overrides appended."""
-        spec = with_overrides(self.recipe.quantization, extra)
-        return plan_layout(
+        """The plan and QDQ slots of the settings with `extra` overrides appended."""
+        spec = with_overrides(self.settings.quantization, extra)
+        return planning.plan(
             self.model,
             spec,
+            self.settings.calibration.method,
+            self.settings.where,
             self.float_tensors,
-            self.recipe.calibration.method,
-            str(self.recipe.path),
+            require_quantized=False,
         )
 
     def missing(self, layout: Layout) -> str | None:
@@ -135,68 +130,17 @@ class Assembler:
                 return f"no GPTQ Hessian for layer input '{tensor}'"
         return None
 
-    def build(self, layout: Layout) -> onnx.ModelProto:
-        """The QDQ model of `layout` (the writer's checked output)."""
-        activations = self._activation_params(layout)
-        weights = self._weight_params(layout)
-        biases = bias_parameters(self.model, layout, activations, weights)
-        spec = self.recipe.quantization
-        nbits, _ = nbits_level(spec, self.cpu)
-        return write_qdq_model(self.model, layout, activations, weights, biases, spec.target, nbits)
-
-    def _activation_params(self, layout: Layout) -> dict[str, ActivationParams]:
-        todo = {
-            tensor: slot
-            for tensor, slot in layout.activations.items()
-            if slot.stats_tensor not in self._activations
-        }
-        if todo:
-            computed = activation_parameters(
-                Layout(activations=todo),
-                self.stats,
-                self.recipe.calibration,
-                self.recipe.quantization.symmetric_activations,
-                self.device,
-            )
-            for tensor, params in computed.items():
-                self._activations[todo[tensor].stats_tensor] = params
-        return {
-            tensor: self._activations[slot.stats_tensor]
-            for tensor, slot in layout.activations.items()
-        }
-
-    def _weight_key(self, layout: Layout, name: str) -> tuple:
-        plan = layout.plan.weight_plans()[name]
-        users = tuple(
-            sorted(
-                node.activations
-                for node in layout.plan
-                if node.weight is not None and node.weight.tensor == name
-            )
+    def built(self, layout: Layout) -> Built:
+        """`layout` through the build stage, without the settings' algorithms (the analysis
+        measures the plan itself; see search/mixed.py for builds with them)."""
+        settings = dataclasses.replace(
+            self.settings,
+            quantization=dataclasses.replace(self.settings.quantization, algorithms=()),
         )
-        fields = tuple(sorted(dataclasses.asdict(plan).items()))
-        return (name, layout.weights[name], fields, users)
+        model = FloatModel(self.model, None, "", "")
+        statistics = Statistics(list(self.stats.values()), self.hessians, {}, None)
+        return build_quantized(model, layout, statistics, settings, False, self.cache, self.cpu)
 
-    def _weight_params(self, layout: Layout) -> dict[str, WeightParams | BlockwiseWeight]:
-        plans = layout.plan.weight_plans()
-        keys = {name: self._weight_key(layout, name) for name in layout.weights}
-        todo = {
-            name: slot for name, slot in layout.weights.items() if keys[name] not in self._weights
-        }
-        self.weight_cache_hits += len(layout.weights) - len(todo)
-        if todo:
-            # The pipeline's own stage, run on the weights not seen before; it records the
-            # format it chose in each WeightPlan, which the cache keeps for later variants.
-            partial = Layout(plan=layout.plan, weights=todo, gptq_inputs=layout.gptq_inputs)
-            computed = weight_parameters(
-                self.model, partial, self.recipe.quantization, self.cpu, self.device, self.hessians
-            )
-            for name, params in computed.items():
-                self._weights[keys[name]] = (params, dataclasses.asdict(plans[name]))
-        result = {}
-        for name in layout.weights:
-            params, recorded = self._weights[keys[name]]
-            for field, value in recorded.items():
-                setattr(plans[name], field, value)
-            result[name] = params
-        return result
+    def build(self, layout: Layout) -> onnx.ModelProto:
+        """The QDQ model of `layout`."""
+        return self.built(layout).model

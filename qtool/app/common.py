@@ -1,0 +1,54 @@
+"""What every orchestrator that starts from a recipe's model does first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qtool import distributed
+from qtool.app import settings
+from qtool.config.recipe import Recipe
+from qtool.pipeline.prepare import Prepared
+from qtool.pipeline.prepare import prepare as prepare_stage
+from qtool.pipeline.requests import requests_for
+from qtool.pipeline.statistics import Statistics, collect_statistics, read_statistics
+
+
+def prepare(recipe: Recipe) -> Prepared:
+    """The recipe's model loaded, prepared, equalized when asked, frozen and planned."""
+    return prepare_stage(
+        recipe.model,
+        recipe.quantization,
+        recipe.calibration.method,
+        settings.calibration_data(recipe),
+        recipe.float_model_path,
+        str(recipe.path),
+    )
+
+
+def statistics(
+    recipe: Recipe,
+    prepared: Prepared,
+    stats_path: Path | None,
+    progress: bool,
+    group: distributed.Group | None = None,
+) -> Statistics:
+    """This run's statistics: from a new calibration pass (its files not written yet; split
+    across the ranks of `group` and merged exactly), or read from `stats_path`."""
+    where = str(recipe.path)
+    model = prepared.model
+    requests = requests_for(
+        model.model, prepared.layout, recipe.quantization, recipe.calibration, where
+    )
+    if stats_path is not None:
+        return read_statistics(stats_path, model, requests, where)
+    return collect_statistics(
+        model,
+        requests,
+        settings.calibration_data(recipe),
+        recipe.calibration.bins,
+        settings.outputs(recipe),
+        where,
+        progress,
+        group=group,
+        release=True,
+    )

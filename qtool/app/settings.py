@@ -1,0 +1,56 @@
+"""A recipe read into the typed inputs of the stages: the only translation between the file's
+shape and the pipeline's, so a change to the recipe format touches qtool/config and this."""
+
+from __future__ import annotations
+
+from qtool.config.recipe import Recipe
+from qtool.data.source import BatchSource
+from qtool.model import provenance
+from qtool.pipeline.build import BuildSettings
+from qtool.pipeline.job import Job
+from qtool.pipeline.outputs import OutputFiles
+from qtool.report import ReportHeader
+
+
+def calibration_data(recipe: Recipe) -> BatchSource:
+    spec = recipe.calibration
+    return BatchSource(spec.data, recipe.inputs, spec.batch_size, spec.max_samples, recipe.seed)
+
+
+def evaluation_data(recipe: Recipe) -> BatchSource | None:
+    if recipe.evaluation is None:
+        return None
+    spec = recipe.evaluation
+    return BatchSource(spec.data, recipe.inputs, spec.batch_size, None, recipe.seed)
+
+
+def build_settings(recipe: Recipe) -> BuildSettings:
+    return BuildSettings(
+        recipe.quantization,
+        recipe.calibration,
+        calibration_data(recipe),
+        recipe.seed,
+        str(recipe.path),
+    )
+
+
+def outputs(recipe: Recipe) -> OutputFiles:
+    return OutputFiles(recipe.output_dir)
+
+
+def settings_sha256(recipe: Recipe) -> str:
+    return provenance.sha256_file(recipe.path)
+
+
+def job(recipe: Recipe) -> Job:
+    return Job(
+        build_settings(recipe),
+        outputs(recipe),
+        settings_sha256(recipe),
+        recipe.evaluation,
+        evaluation_data(recipe),
+    )
+
+
+def report_header(recipe: Recipe) -> ReportHeader:
+    return ReportHeader(str(recipe.path), recipe.quantization, recipe.calibration, recipe.seed)

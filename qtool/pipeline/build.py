@@ -1,0 +1,192 @@
+"""The build stage: from the float model, its plan and its statistics to the quantized model.
+
+The order, fixed and documented (docs/architecture.md): SmoothQuant (a float-model transform
+that needs the calibration pass's per-channel statistics, so it runs after calibration and
+re-plans the smoothed graph) -> activation ranges -> weights in the deployment CPU's format
+(with GPTQ or MSE scale search where the plan asks) -> AdaRound (learns each int8 weight's
+rounding on the ranges above) -> int32 biases -> write the QDQ model -> bias correction
+(measures each layer's mean output shift of the model as written). Cross-layer equalization is
+the one algorithm before calibration (app/, pipeline.float_model): it changes the float model
+whose ranges calibration measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from qtool import kernels
+from qtool.algorithms.bias_correction import apply_bias_correction
+from qtool.algorithms.smoothquant import apply_smoothquant
+from qtool.calibration.channels import channels_path, load_channels
+from qtool.calibration.spec import CalibrationSpec
+from qtool.data.source import BatchSource
+from qtool.errors import CalibrationError
+from qtool.ort.cpu import CpuFeatures, resolve_cpu
+from qtool.phases import phase
+from qtool.pipeline import planning
+from qtool.pipeline.float_model import FloatModel
+from qtool.pipeline.param_cache import ParamCache
+from qtool.pipeline.statistics import Statistics
+from qtool.plan.layout import Layout
+from qtool.plan.settings import QuantizationSpec
+from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
+from qtool.write.matmul_nbits import nbits_level
+from qtool.write.params import ActivationParams
+from qtool.write.qdq import write_qdq_model
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """What the build stage reads of the user's settings: the plan's settings (target, CPU,
+    saturation, algorithms), how ranges are derived, and the calibration samples the algorithms
+    take a second look at."""
+
+    quantization: QuantizationSpec
+    calibration: CalibrationSpec
+    data: BatchSource
+    seed: int
+    where: str  # the settings' source (the recipe file), for errors
+
+    def cpu(self) -> CpuFeatures:
+        return resolve_cpu(self.quantization.cpu)
+
+    def replan(self, model: onnx.ModelProto) -> Layout:
+        return planning.plan(model, self.quantization, self.calibration.method, self.where)
+
+
+@dataclass
+class Built:
+    """The quantized model and everything the report says about how it was made."""
+
+    model: onnx.ModelProto
+    layout: Layout
+    activations: dict[str, ActivationParams]
+    weights: dict
+    node_inputs: dict[str, list[str]]
+    cpu: CpuFeatures
+    nbits: int | None
+    nbits_reason: str
+    algorithms: dict = field(default_factory=dict)
+
+
+def build_quantized(
+    float_model: FloatModel,
+    layout: Layout,
+    statistics: Statistics,
+    settings: BuildSettings,
+    progress: bool,
+    cache: ParamCache | None = None,
+    cpu: CpuFeatures | None = None,
+) -> Built:
+    """The quantized model of `layout`, the algorithms of `settings` applied in the documented
+    order. Deterministic: the same inputs give the same bytes, so a plan verified by the
+    mixed-precision search and the model written for it are one and the same.
+
+    `cache`: parameters of earlier builds of the same float model and statistics (the variants
+    of one plan); only without algorithms, which change the float model or the weights."""
+    spec = settings.quantization
+    stats = statistics.by_name()
+    hessians = statistics.hessians
+    model = float_model.model
+    algorithms: dict = {}
+    smoothquant = spec.algorithm("smoothquant")
+    if smoothquant is not None:
+        with phase("SmoothQuant"):  # alpha search per layer input, then the smoothed model
+            channels, source = _channels(statistics, float_model)
+            smoothed = apply_smoothquant(
+                model,
+                layout,
+                smoothquant,
+                channels,
+                stats,
+                hessians,
+                spec.symmetric_activations,
+                settings.replan,
+                source,
+            )
+        model, layout = smoothed.model, smoothed.layout
+        stats, hessians = smoothed.stats, smoothed.hessians
+        algorithms["smoothquant"] = smoothed.entry
+    device = kernels.default_device()
+    cpu = cpu if cpu is not None else settings.cpu()
+    symmetric = spec.symmetric_activations
+    if cache is None:
+        activations = activation_parameters(layout, stats, settings.calibration, symmetric, device)
+        weights = weight_parameters(model, layout, spec, cpu, device, hessians)
+    else:
+        if spec.algorithms:
+            raise ValueError("cached parameters are for builds without algorithms")
+        activations = cache.activations(layout, stats, settings.calibration, symmetric, device)
+        weights = cache.weights(model, layout, spec, cpu, device, hessians)
+    nbits, nbits_reason = nbits_level(spec, cpu)
+
+    def write(float_graph: onnx.ModelProto, chosen: dict) -> onnx.ModelProto:
+        """`float_graph` as QDQ with the weights `chosen` and the int32 biases they imply: the
+        candidates AdaRound and bias correction compare (one of them changes the weights, the
+        other the float biases)."""
+        chosen_biases = bias_parameters(float_graph, layout, activations, chosen)
+        return write_qdq_model(
+            float_graph, layout, activations, chosen, chosen_biases, spec.target, nbits
+        )
+
+    adaround = spec.algorithm("adaround")
+    if adaround is not None:  # before the biases and bias correction: they see its weights
+        # imported here: it needs torch, which ONNX-only runs never load
+        from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
+        from qtool.algorithms.adaround_apply import apply_adaround
+
+        weights, algorithms["adaround"] = apply_adaround(
+            model,
+            layout,
+            activations,
+            weights,
+            cpu,
+            spec.saturation,
+            lambda: settings.data.first_inputs(adaround["samples"], ADAROUND_BATCH),
+            adaround,
+            settings.seed,
+            progress,
+            f"{settings.where}: quantization.algorithms.adaround",
+            lambda chosen: write(model, chosen),
+        )
+    biases = bias_parameters(model, layout, activations, weights)
+    correction = spec.algorithm("bias_correction")
+    if float_model.staged is not None and correction is None and smoothquant is None:
+        # The float weights being replaced are read no more (the writer drops them): read back
+        # only the rest from the staged file, so the float model is not held while writing.
+        # (Not after SmoothQuant: the staged file holds the unsmoothed model.)
+        float_model.model = model = None  # dropped before the read: never held twice
+        float_model.model = model = float_model.staged.load(skip=set(weights) | set(biases))
+
+    # checked once, on the bytes that are written (onnx.checker would serialize it again)
+    quantized = write_qdq_model(
+        model, layout, activations, weights, biases, spec.target, nbits, check=False
+    )
+    if correction is not None:
+        with phase("bias correction"):
+            quantized, algorithms["bias_correction"] = apply_bias_correction(
+                model,
+                quantized,
+                layout.quantized_nodes(),
+                lambda float_graph: write(float_graph, weights),
+                lambda: settings.data.first_inputs(correction["samples"]),
+            )
+    node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    if float_model.staged is not None:  # its float weights are on disk, staged: no longer needed
+        float_model.model = None
+    return Built(
+        quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason, algorithms
+    )
+
+
+def _channels(statistics: Statistics, float_model: FloatModel) -> tuple[dict, str]:
+    """SmoothQuant's per-channel statistics, from this run's pass or from channels.npz beside
+    the stats file the run read; and that file's name, for errors."""
+    if statistics.path is None:
+        raise CalibrationError("SmoothQuant needs per-channel statistics and none were collected")
+    path = channels_path(statistics.path)
+    if statistics.channels is not None:
+        return statistics.channels, str(path)
+    return load_channels(path, float_model.fingerprint, statistics.data_sha256), str(path)

@@ -1,0 +1,160 @@
+"""The last stages of a quantized model: record what it was made from, write it (staged, not
+yet committed), load it as ONNX Runtime will run it, verify what ORT really does with every
+planned node, and describe all of it in report.json."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from qtool import __version__
+from qtool.data.source import BatchSource
+from qtool.errors import ModelError, QtoolError
+from qtool.io import Staged
+from qtool.model import external_data, provenance
+from qtool.phases import phase
+from qtool.pipeline.build import Built
+from qtool.pipeline.float_model import FloatModel
+from qtool.report import ReportHeader, build_report
+from qtool.runtime.fusion import optimized_session
+from qtool.runtime.verify import Verification, verify
+
+# Calibration samples the verify stage runs fused and unfused: a saturating kernel or a fusion
+# that computes differently shows on any batch (digits without VNNI: 19 against 45 dB, the warning
+# fires below 30), and the unfused QDQ run of a transformer is the stage's largest cost (bert
+# benchmark: 0.35-0.5 of quantize's 3 CPU s above the inference floor at 8 samples).
+VERIFY_SAMPLES = 4
+VERIFY_THREADS = 1  # the fused-vs-unfused comparison is about numerics, not speed
+
+
+@dataclass
+class Finished:
+    """The quantized model's files (staged or in memory) and its report, ready to commit."""
+
+    files: dict[Path, bytes | Staged]
+    report: dict
+    verification: Verification
+    source: bytes | Path  # what an ORT session loads the quantized model from
+    staged: external_data.StagedModel | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def discard(self) -> None:
+        if self.staged is not None:
+            self.staged.discard()
+
+
+def stamp_provenance(
+    quantized: onnx.ModelProto,
+    float_model: FloatModel,
+    settings_sha256: str,
+    data_sha256: str | None,
+) -> None:
+    """Record in `quantized` what it was made from, so `evaluate` can refuse a foreign FP32."""
+    provenance.stamp(
+        quantized,
+        {
+            provenance.VERSION: __version__,
+            provenance.FLOAT_MODEL_SHA256: float_model.fingerprint,
+            provenance.SOURCE_MODEL_SHA256: float_model.source_sha256,
+            provenance.RECIPE_SHA256: settings_sha256,
+            provenance.CALIBRATION_DATA_SHA256: data_sha256 or "none",
+        },
+    )
+
+
+def stage_quantized(
+    quantized: onnx.ModelProto, model_path: Path, external: bool
+) -> tuple[bytes | Path, dict[Path, bytes | Staged], external_data.StagedModel | None]:
+    """The quantized model written for commit: in memory, or as external data beside
+    `model_path` when the float model has it too (ORT sessions then map the weights from the
+    file instead of each copying the serialized model) or it is over protobuf's limit."""
+    if external or external_data.needs_external_data(quantized):
+        with phase("writing the quantized model (external data)"):
+            external_data.check_model(quantized)
+            staged = external_data.stage_model(quantized, model_path)
+        return staged.session_path, staged.files(), staged
+    source = quantized.SerializeToString()
+    external_data.check_model(quantized, source)
+    return source, {model_path: source}, None
+
+
+def verify_and_report(
+    built: Built,
+    float_model: FloatModel,
+    model_path: Path,
+    header: ReportHeader,
+    feeds: Sequence[dict[str, np.ndarray]],
+    files: dict[str, str],
+    settings_sha256: str,
+    data_sha256: str | None,
+) -> Finished:
+    """Stamp, stage, load and verify `built`, and build report.json. The caller commits the
+    files (with whatever else the command writes) and discards the staging on failure."""
+    quantized = built.model
+    stamp_provenance(quantized, float_model, settings_sha256, data_sha256)
+    source, quant_files, staged = stage_quantized(
+        quantized, model_path, float_model.staged is not None
+    )
+    del quantized
+    built.model = None
+    finished = None
+    try:
+        try:  # the session verify runs: a model ORT cannot load fails here, named
+            loaded = optimized_session(source, VERIFY_THREADS)
+        except QtoolError as exc:
+            message = str(exc)
+            if isinstance(source, Path):  # name the output, not its temporary file
+                message = message.replace(str(source), str(model_path))
+            raise ModelError(
+                f"the quantized model does not load in ONNX Runtime: {message}"
+            ) from None
+        with phase("verifying what ONNX Runtime runs"):
+            verification = verify(
+                source,
+                built.layout.plan,
+                feeds,
+                built.cpu,
+                VERIFY_THREADS,
+                target=header.quantization.target,
+                float_model=float_model.session_source(),
+                loaded=loaded,
+            )
+            del loaded
+        files = dict(files)
+        if staged is not None:  # ship both files: the .onnx alone has no weights
+            files["quantized_model_data"] = str(staged.data_path)
+        if float_model.staged is not None:
+            files["float_model_data"] = str(float_model.staged.data_path)
+        report = build_report(
+            header,
+            built.node_inputs,
+            built.layout,
+            built.activations,
+            built.weights,
+            files,
+            built.cpu,
+            verification.summary,
+        )
+        report["algorithms"] = built.algorithms
+        report["int4_matmul"] = {
+            "format": header.quantization.resolved_int4_format,
+            "accuracy_level": built.nbits,
+            "why": built.nbits_reason,
+        }
+        finished = Finished(
+            quant_files, report, verification, source, staged, list(verification.warnings)
+        )
+        return finished
+    finally:
+        if finished is None and staged is not None:
+            staged.discard()
+
+
+def verify_feeds(data: BatchSource) -> list[dict[str, np.ndarray]]:
+    """The first calibration samples, re-read (a stats file carries no inputs)."""
+    limit = min(VERIFY_SAMPLES, data.max_samples or VERIFY_SAMPLES)
+    return [b.inputs for b in data.batches(min(data.batch_size, limit), limit)]
