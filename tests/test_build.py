@@ -95,6 +95,8 @@ def test_regular_wheel_build_ships_the_library(tmp_path: Path) -> None:
         info = json.loads(zf.read("qtool/_lib/build_info.json"))
     assert "qtool/_lib/libqtool_cpu.so" in names
     assert "qtool/_lib/libqtool_cuda.so" not in names
+    # the presets travel with the package: `base: int8-cnn` works outside a checkout
+    assert "qtool/config/presets/int8-cnn.yaml" in names
     assert info["cuda"] == {"built": False, "reason": "skipped: QTOOL_NO_CUDA=1"}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import onnx
 
 from qtool import __version__
+from qtool.config.fingerprint import recipe_sha256
+from qtool.config.recipe import load_recipe
 from qtool.model import provenance
 
 
@@ -14,7 +16,8 @@ def test_quantized_model_carries_its_provenance(digits_run) -> None:
     assert set(stamped) == set(provenance.KEYS)
     assert stamped[provenance.VERSION] == __version__
     assert stamped[provenance.FLOAT_MODEL_SHA256] == provenance.sha256_file(out / "model.fp32.onnx")
-    assert stamped[provenance.RECIPE_SHA256] == provenance.sha256_file(digits_run.recipe)
+    # the resolved recipe (presets merged), not the file's bytes (docs/recipe.md)
+    assert stamped[provenance.RECIPE_SHA256] == recipe_sha256(load_recipe(digits_run.recipe))
     weights = provenance.sha256_file(digits_run.folder / "weights.pt")
     assert stamped[provenance.SOURCE_MODEL_SHA256] != weights  # factory and weights together
     assert len(stamped[provenance.CALIBRATION_DATA_SHA256]) == 64

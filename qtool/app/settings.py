@@ -3,9 +3,9 @@ shape and the pipeline's, so a change to the recipe format touches qtool/config 
 
 from __future__ import annotations
 
+from qtool.config.fingerprint import recipe_sha256
 from qtool.config.recipe import Recipe
 from qtool.data.source import BatchSource
-from qtool.model import provenance
 from qtool.pipeline.build import BuildSettings
 from qtool.pipeline.job import Job
 from qtool.pipeline.outputs import OutputFiles
@@ -39,7 +39,8 @@ def outputs(recipe: Recipe) -> OutputFiles:
 
 
 def settings_sha256(recipe: Recipe) -> str:
-    return provenance.sha256_file(recipe.path)
+    """The resolved recipe's hash (presets merged, changes made in code included)."""
+    return recipe_sha256(recipe)
 
 
 def job(recipe: Recipe) -> Job:

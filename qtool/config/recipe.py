@@ -26,6 +26,7 @@ from qtool.algorithms.spec import (
     MAX_SMOOTHQUANT_ROWS,
 )
 from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
+from qtool.config import presets
 from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
 from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem
@@ -328,16 +329,23 @@ def _parse_yaml(path: Path) -> Any:
 
 
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
-    """Merge a `base:` preset (e.g. configs/int8-entropy.yaml) under this recipe's own keys.
+    """Merge a `base:` (a preset by name, or a recipe file) under this recipe's own keys, by
+    the rules of docs/recipe.md: mappings merge key by key, lists and `inputs:` replace, `null`
+    removes what the base set, `algorithms: {}` removes every algorithm.
 
     Presets hold only settings (calibration method, target, op types), never paths, so they can
-    be shared by recipes in any folder; the recipe's own values win key by key.
+    be shared by recipes in any folder.
     """
     if not isinstance(raw, dict) or "base" not in raw:
         return raw
-    base_path = (chain[-1].parent / reader.string(raw["base"], "base")).resolve()
-    if not base_path.is_file():
-        raise reader.fail("base", f"file not found: {base_path}")
+    base_path = presets.resolve_base(reader.string(raw["base"], "base"), chain[-1].parent)
+    if base_path is None or not base_path.is_file():
+        name = raw["base"]
+        raise reader.fail(
+            "base",
+            f"no preset named {name!r} (presets: {', '.join(presets.names())}) and no file "
+            f"{(chain[-1].parent / name).resolve()}",
+        )
     if base_path in chain:
         raise reader.fail("base", f"presets include each other in a loop: {base_path}")
     try:
@@ -348,13 +356,23 @@ def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
         raise reader.fail("base", f"{base_path}: a preset must be a mapping")
     base = _apply_base(reader, base, [*chain, base_path])
     own = {key: value for key, value in raw.items() if key != "base"}
-    return _deep_merge(base, own)
+    return _deep_merge(base, own, top=True)
 
 
-def _deep_merge(base: dict, override: dict) -> dict:
+# Sections a derived recipe states whole: two recipes' inputs never mean the union of both.
+_REPLACED_SECTIONS = ("inputs",)
+
+
+def _deep_merge(base: dict, override: dict, top: bool = False) -> dict:
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if value is None and key in merged:
+            del merged[key]  # null: back to the default, whatever the base set
+        elif top and key in _REPLACED_SECTIONS:
+            merged[key] = value
+        elif key == "algorithms" and value == {}:
+            merged[key] = {}  # no algorithm at all, whichever the base turned on
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
         else:
             merged[key] = value
