@@ -322,3 +322,33 @@ def test_int4_candidate_on_an_opset_17_model_is_refused(folder, cli):
     result = cli("quantize", path, "--no-progress")
     assert result.exit_code == 2
     assert "mixed_precision.candidates: int4 needs opset 21" in " ".join(result.output.split())
+
+
+def test_auto_with_algorithms_writes_exactly_the_model_it_verified(folder, single_noise, cli):
+    """With `algorithms:` in the recipe, every plan the search verifies is built with them, and
+    the file written is the one verified: its SQNR on the evaluation set is the search's."""
+    rng = np.random.default_rng(3)
+    for name in ("calib", "eval"):
+        x = np.load(folder / f"{name}.npz")["x"].copy()
+        x[:, 5] *= 40.0 + rng.random()  # an outlier channel, which SmoothQuant moves into W
+        np.savez(folder / f"{name}-outlier.npz", x=x)
+    mixed = {"budget": {"min_sqnr": _min_sqnr(3.0 * single_noise)}, "samples": 256}
+    recipe = _recipe(folder, "algorithms", mixed)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["calibration"]["data"] = {"npz": "calib-outlier.npz"}
+    raw["evaluation"]["data"] = {"npz": "eval-outlier.npz"}
+    raw["quantization"]["algorithms"] = {"smoothquant": {"alpha": 0.5}}
+    recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code in (0, 1), result.output
+    out = folder / "out-algorithms"
+    report = json.loads((out / "report.json").read_text())
+    assert report["algorithms"]["smoothquant"]["smoothed"] >= 1  # the algorithm changed the model
+    block = report["mixed_precision"]
+    written = Path(report["files"]["quantized_model"])
+    data = np.load(folder / "eval-outlier.npz")["x"]
+    reference = create_session(str(out / "model.fp32.onnx")).run(None, {"x": data})[0]
+    quantized = create_session(str(written)).run(None, {"x": data})[0]
+    noise = float(np.sum((quantized - reference) ** 2) / np.sum(reference**2))
+    assert -10.0 * math.log10(noise) == pytest.approx(block["measured"]["sqnr_db"], abs=0.01)
+    assert 0 < written.stat().st_size - block["measured"]["size_bytes"] < 1024  # + provenance
