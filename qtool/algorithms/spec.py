@@ -9,11 +9,16 @@ from typing import Any
 # examples/effnet_lite/README.md, "Bias absorption").
 BIAS_ABSORPTION_DEFAULT = False
 
-# quantization.algorithms, in the fixed order they run; the parameters each takes, with defaults.
-# adaround before bias_correction: bias correction measures the mean output shift of the layer
-# as it will be stored, so it must see the final rounded weights (rounding after it would leave
-# a correction for weights that no longer exist).
-ALGORITHM_ORDER = ("smoothquant", "cross_layer_equalization", "adaround", "bias_correction")
+# quantization.algorithms, in the fixed order they run (qtool/pipeline: prepare.py, build.py);
+# the parameters each takes, with defaults.
+# - cross_layer_equalization first, before calibration: it rescales the float model whose
+#   ranges calibration measures;
+# - smoothquant after calibration: it needs that pass's per-channel statistics, then re-plans
+#   the smoothed graph and derives the smoothed inputs' ranges exactly;
+# - adaround before bias_correction: bias correction measures the mean output shift of the layer
+#   as it will be stored, so it must see the final rounded weights (rounding after it would
+#   leave a correction for weights that no longer exist).
+ALGORITHM_ORDER = ("cross_layer_equalization", "smoothquant", "adaround", "bias_correction")
 
 ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
     # samples: calibration samples whose layer inputs the rounding is learned on (the first N);
