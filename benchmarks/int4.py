@@ -384,7 +384,7 @@ def _measure(args: argparse.Namespace) -> None:
     """
     import numpy as np
 
-    from qtool.metrics.evaluate import _Fidelity
+    from qtool.metrics.evaluate import Fidelity
     from qtool.ort.sessions import create_session
     from qtool.runtime.fusion import optimized_graph
 
@@ -422,7 +422,7 @@ def _measure(args: argparse.Namespace) -> None:
         if reference is None:
             reference = outputs
         else:
-            fidelity = _Fidelity()
+            fidelity = Fidelity()
             for ref, got in zip(reference, outputs, strict=True):
                 fidelity.update(ref, got, None)
             metrics = fidelity.metrics(labelled=False)
