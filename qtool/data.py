@@ -20,10 +20,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from qtool.calibration.archive import READ_ERRORS, NpyMember
 from qtool.errors import DataError, QtoolError
 from qtool.models import load_entry_point
 from qtool.recipe import DataSpec, ImageFolder, InputSpec
+from qtool.zip_members import READ_ERRORS, NpyMember
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".webp")
 
@@ -160,17 +160,7 @@ def _validate(
         )
     for spec in inputs:
         array = batch.inputs[spec.name]
-        if not _fits(array.shape, spec.shape):
-            if shapes_from is None:
-                raise DataError(
-                    f"{where}: input '{spec.name}' has sample shape {list(array.shape[1:])} but "
-                    f"the recipe declares inputs.{spec.name}: {list(spec.shape)} (sample shape "
-                    f"{list(spec.shape[1:])})"
-                )
-            raise DataError(
-                f"{where}: input '{spec.name}' has shape {list(array.shape)} but {shapes_from} "
-                f"declares {_format_dims(spec.shape)}"
-            )
+        _check_shape(array.shape, spec, where, shapes_from)
         if np.dtype(array.dtype) != np.dtype(spec.dtype):
             if spec.dtype.startswith("float") and np.issubdtype(array.dtype, np.floating):
                 batch.inputs[spec.name] = array.astype(spec.dtype)
@@ -185,6 +175,23 @@ def _validate(
             if not finite.all():
                 bad = int(np.argwhere(~finite)[0][0]) + first
                 raise DataError(f"{where}: input '{spec.name}' has NaN or Inf in sample {bad}")
+
+
+def _check_shape(
+    shape: tuple[int, ...], spec: InputSpec, where: str, shapes_from: str | None
+) -> None:
+    """Refuse an array of `shape` for the input `spec` declares (see iter_batches' shapes_from)."""
+    if _fits(shape, spec.shape):
+        return
+    if shapes_from is None:
+        raise DataError(
+            f"{where}: input '{spec.name}' has sample shape {list(shape[1:])} but the recipe "
+            f"declares inputs.{spec.name}: {list(spec.shape)} (sample shape {list(spec.shape[1:])})"
+        )
+    raise DataError(
+        f"{where}: input '{spec.name}' has shape {list(shape)} but {shapes_from} declares "
+        f"{_format_dims(spec.shape)}"
+    )
 
 
 def _fits(shape: tuple[int, ...], declared: tuple[int | str | None, ...]) -> bool:
@@ -220,10 +227,9 @@ def _npz_chunks(
     np.load reads an .npz member completely, so a large calibration file would make memory grow
     with the sample count; reading the .npy header and then row blocks from the zip stream keeps
     it flat (compressed or not). The headers are checked against the members' sizes and the
-    declared inputs before the first row is read (an empty batch of each array's shape goes
-    through `_validate`), so a header that claims a sample of 10**12 values is refused instead of
-    allocated, and a member inflates only as far as the rows the recipe asks for (a zip bomb in
-    a data file costs what max_samples reads of it).
+    declared input shapes before the first row is read, so a header that claims a sample of
+    10**12 values is refused instead of allocated, and a member inflates only as far as the rows
+    the recipe asks for (a zip bomb in a data file costs what max_samples reads of it).
     """
     try:
         archive = zipfile.ZipFile(path)
@@ -255,8 +261,8 @@ def _npz_member_chunks(
         if len({stream.rows for stream in streams.values()}) != 1:
             counts = {n: stream.rows for n, stream in streams.items()}
             raise DataError(f"{path}: arrays have different sample counts {counts}")
-        empty = {n: np.empty((0, *streams[n].shape[1:]), streams[n].dtype) for n in names}
-        _validate(Batch(empty, None), inputs, where, 0, shapes_from)
+        for spec in inputs:  # from the headers, before a row is read or allocated
+            _check_shape(streams[spec.name].shape, spec, where, shapes_from)
         for start in range(0, total, _CHUNK):
             count = min(_CHUNK, total - start)
             arrays = {n: streams[n].read(count) for n in wanted}

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.calibration.archive import MAX_NPY_HEADER_BYTES, NpyMember, load_entries, write_member
+from qtool.calibration.archive import load_entries, write_member
 from qtool.errors import CalibrationError, DataError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 
 FORMAT = "qtool-channels/1"
 FILE_NAME = "channels.npz"
@@ -210,7 +211,8 @@ def _array(
     """One part of a tensor's entry, its size and .npy header checked against what the index
     says (`dtype`, `shape`) before its data is read."""
     limit = MAX_NPY_HEADER_BYTES + math.prod(shape) * np.dtype(dtype).itemsize
-    with NpyMember(path, archive, member, f"tensor {name!r}: ", limit=limit) as npy:
+    where = f"tensor {name!r}: "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
         if npy.dtype != dtype or npy.shape != shape:
             raise CalibrationError(
                 f"{path}: tensor {name!r}: {part} is {npy.dtype} {npy.shape}, expected "

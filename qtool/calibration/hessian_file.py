@@ -25,15 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from qtool.algorithms.gptq import HessianAccumulator
-from qtool.calibration.archive import (
-    MAX_NPY_HEADER_BYTES,
-    NpyMember,
-    index_field,
-    load_entries,
-    write_member,
-)
+from qtool.calibration.archive import index_field, load_entries, write_member
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 
 FORMAT = "qtool-hessians/1"
 _KIND = "Hessian"
@@ -135,7 +130,8 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianA
         raise CalibrationError(f"{path}: tensor {name!r}: no array member named")
     expected = (features * (features + 1) // 2,)
     limit = MAX_NPY_HEADER_BYTES + expected[0] * 8
-    with NpyMember(path, archive, member, f"tensor {name!r}: ", limit=limit) as npy:
+    where = f"tensor {name!r}: "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
         if npy.dtype != np.float64 or npy.shape != expected:
             raise CalibrationError(
                 f"{path}: tensor {name!r}: XᵀX triangle is {npy.dtype} {npy.shape}, expected "

@@ -23,18 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.calibration.archive import (
-    MAX_INDEX_BYTES,
-    MAX_NPY_HEADER_BYTES,
-    READ_ERRORS,
-    NpyMember,
-    read_member,
-    write_member,
-)
+from qtool.calibration.archive import MAX_INDEX_BYTES, write_member
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, READ_ERRORS, NpyMember, read_member
 
 FORMAT = "qtool-stats/1"
 # The largest `bins` a stats file may record: recipe.MAX_BINS, the largest calibration.bins
@@ -213,7 +207,9 @@ def read_stats_file(path: Path) -> StatsFile:
         raise CalibrationError(f"{path}: stats file not found (run `qtool calibrate` first)")
     try:
         with zipfile.ZipFile(path) as archive:
-            index = json.loads(read_member(path, archive, "index.json", MAX_INDEX_BYTES))
+            index = json.loads(
+                read_member(path, archive, "index.json", MAX_INDEX_BYTES, error=CalibrationError)
+            )
             if not isinstance(index, dict) or index.get("format") != FORMAT:
                 found = index.get("format") if isinstance(index, dict) else None
                 raise CalibrationError(f"{path}: not a qtool stats file ({found!r})")
@@ -277,7 +273,8 @@ def _checked_tensor(path: Path, archive: zipfile.ZipFile, entry: dict, bins: int
         raise fail(f"histogram half-range {half_range} does not cover [min, max] = [{low}, {high}]")
     expected = 2 * bins
     limit = MAX_NPY_HEADER_BYTES + expected * np.dtype(np.int64).itemsize
-    with NpyMember(path, archive, member, f"tensor '{name}': ", limit=limit) as npy:
+    where = f"tensor '{name}': "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
         if npy.shape != (expected,):
             raise fail(
                 f"histogram has shape {list(npy.shape)}, but the file's bins ({bins}) make "
@@ -301,7 +298,9 @@ def stats_data_sha256(path: Path) -> str | None:
     """The calibration data fingerprint a stats file records (None for files that have none)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            index = json.loads(read_member(path, archive, "index.json", MAX_INDEX_BYTES))
+            index = json.loads(
+                read_member(path, archive, "index.json", MAX_INDEX_BYTES, error=CalibrationError)
+            )
         value = index.get("data_sha256") if isinstance(index, dict) else None
     except (*READ_ERRORS, ValueError, RecursionError) as exc:
         raise CalibrationError(f"{path}: corrupt stats file ({str(exc)[:200]})") from None
