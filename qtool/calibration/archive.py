@@ -6,6 +6,14 @@ every member written here carries one fixed timestamp and fixed permissions inst
 files (Hessians, per-channel statistics) share one index layout (`format`, `model_sha256`,
 `data_sha256`, `tensors`), so they share the checks that refuse a file from another model or
 other data, instead of each repeating them with its own wording.
+
+Reading is bounded, because these files come from elsewhere (shards copied between machines, a
+colleague's output folder) and a damaged or hostile one must fail in a second, naming the file
+and member, rather than after minutes of inflating or with a numpy allocation error: every
+member goes through qtool.zip_members, whose size limit each reader derives from the index (a
+histogram of 2 * bins int64 counts, a Hessian triangle of F(F+1)/2 float64, a channel sample of
+rows x channels float32), and whose .npy header is compared with the index before the array is
+allocated.
 """
 
 from __future__ import annotations
@@ -17,8 +25,13 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from qtool.errors import CalibrationError
+from qtool.zip_members import READ_ERRORS, read_member
 
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
+
+# index.json: ~150 bytes a tensor, so 16 MiB is 100000 tensors (a 70B-parameter LLM observes
+# under 1000); JSON parsing takes ~10x the text in memory, so this also bounds that.
+MAX_INDEX_BYTES = 16 << 20
 
 
 def write_member(
@@ -39,11 +52,13 @@ Entry = TypeVar("Entry", bound=_Named)
 
 def read_index(path: Path, archive: zipfile.ZipFile, kind: str, file_format: str) -> dict:
     """The archive's index.json, checked to be a `kind` file of `file_format` with a tensor list."""
+    if "index.json" not in archive.NameToInfo:
+        raise CalibrationError(f"{path}: corrupt {kind} file (no index.json)")
     try:
-        index = json.loads(archive.read("index.json"))
-    except KeyError:
-        raise CalibrationError(f"{path}: corrupt {kind} file (no index.json)") from None
-    except ValueError as exc:
+        index = json.loads(
+            read_member(path, archive, "index.json", MAX_INDEX_BYTES, error=CalibrationError)
+        )
+    except (ValueError, RecursionError) as exc:
         raise CalibrationError(f"{path}: corrupt {kind} file (index.json: {exc})") from None
     if not isinstance(index, dict) or index.get("format") != file_format:
         found = index.get("format") if isinstance(index, dict) else None
@@ -58,7 +73,7 @@ def index_field(path: Path, kind: str, file_format: str, field: str) -> object:
     try:
         with zipfile.ZipFile(path) as archive:
             return read_index(Path(path), archive, kind, file_format).get(field)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except READ_ERRORS as exc:
         raise CalibrationError(f"{path}: corrupt {kind} file ({exc})") from None
 
 
@@ -93,6 +108,6 @@ def load_entries(
                 if entry.name in entries:
                     raise CalibrationError(f"{path}: tensor {entry.name!r} is listed twice")
                 entries[entry.name] = entry
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+    except READ_ERRORS as exc:
         raise CalibrationError(f"{path}: corrupt {kind} file ({exc})") from None
     return entries

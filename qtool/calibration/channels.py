@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import numpy as np
 from qtool.calibration.archive import load_entries, write_member
 from qtool.errors import CalibrationError, DataError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 
 FORMAT = "qtool-channels/1"
 FILE_NAME = "channels.npz"
@@ -197,15 +199,26 @@ def channel_file_bytes(
     return buffer.getvalue()
 
 
-def _array(path: Path, archive: zipfile.ZipFile, member: str, name: str) -> np.ndarray:
-    try:
-        data = archive.read(member)
-    except KeyError:
-        raise CalibrationError(f"{path}: tensor {name!r}: member {member!r} is missing") from None
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: tensor {name!r}: unreadable array ({exc})") from None
+def _array(
+    path: Path,
+    archive: zipfile.ZipFile,
+    member: str,
+    name: str,
+    part: str,
+    dtype: type,
+    shape: tuple[int, ...],
+) -> np.ndarray:
+    """One part of a tensor's entry, its size and .npy header checked against what the index
+    says (`dtype`, `shape`) before its data is read."""
+    limit = MAX_NPY_HEADER_BYTES + math.prod(shape) * np.dtype(dtype).itemsize
+    where = f"tensor {name!r}: "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
+        if npy.dtype != dtype or npy.shape != shape:
+            raise CalibrationError(
+                f"{path}: tensor {name!r}: {part} is {npy.dtype} {npy.shape}, expected "
+                f"{np.dtype(dtype)} {shape} (member {member!r})"
+            )
+        return npy.read()
 
 
 def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> ChannelStats:
@@ -224,24 +237,19 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> ChannelS
         raise CalibrationError(f"{path}: tensor {name!r}: samples more rows than it counts")
     if not isinstance(member, str):
         raise CalibrationError(f"{path}: tensor {name!r}: no array member named")
-    low = _array(path, archive, f"{member}_min.npy", name)
-    high = _array(path, archive, f"{member}_max.npy", name)
-    sample = _array(path, archive, f"{member}_sample.npy", name)
-    where = _array(path, archive, f"{member}_sample_index.npy", name)
     expected = {
-        "min": (low, np.float32, (channels,)),
-        "max": (high, np.float32, (channels,)),
-        "sample": (sample, np.float32, (sample_rows, channels)),
-        "sample_index": (where, np.int64, (sample_rows,)),
+        "min": (np.float32, (channels,)),
+        "max": (np.float32, (channels,)),
+        "sample": (np.float32, (sample_rows, channels)),
+        "sample_index": (np.int64, (sample_rows,)),
     }
-    for part, (array, dtype, shape) in expected.items():
-        if array.dtype != dtype or array.shape != shape:
-            raise CalibrationError(
-                f"{path}: tensor {name!r}: {part} is {array.dtype} {array.shape}, expected "
-                f"{np.dtype(dtype)} {shape}"
-            )
+    arrays = {
+        part: _array(path, archive, f"{member}_{part}.npy", name, part, dtype, shape)
+        for part, (dtype, shape) in expected.items()
+    }
+    low, high, sample, where = (arrays[p] for p in ("min", "max", "sample", "sample_index"))
     for part in ("min", "max", "sample"):
-        if not np.all(np.isfinite(expected[part][0])):
+        if not np.all(np.isfinite(arrays[part])):
             raise CalibrationError(f"{path}: tensor {name!r}: {part} contains NaN or Inf")
     if np.any(low > high):
         raise CalibrationError(f"{path}: tensor {name!r}: a channel's min exceeds its max")

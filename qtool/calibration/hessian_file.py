@@ -28,6 +28,7 @@ from qtool.calibration.archive import index_field, load_entries, write_member
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 
 FORMAT = "qtool-hessians/1"
 _KIND = "Hessian"
@@ -127,20 +128,16 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianA
         )
     if not isinstance(member, str):
         raise CalibrationError(f"{path}: tensor {name!r}: no array member named")
-    try:
-        data = archive.read(member)
-    except KeyError:
-        raise CalibrationError(f"{path}: tensor {name!r}: member {member!r} is missing") from None
-    try:
-        packed = np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: tensor {name!r}: unreadable array ({exc})") from None
     expected = (features * (features + 1) // 2,)
-    if packed.dtype != np.float64 or packed.shape != expected:
-        raise CalibrationError(
-            f"{path}: tensor {name!r}: XᵀX triangle is {packed.dtype} {packed.shape}, expected "
-            f"float64 {expected} for {features} features"
-        )
+    limit = MAX_NPY_HEADER_BYTES + expected[0] * 8
+    where = f"tensor {name!r}: "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
+        if npy.dtype != np.float64 or npy.shape != expected:
+            raise CalibrationError(
+                f"{path}: tensor {name!r}: XᵀX triangle is {npy.dtype} {npy.shape}, expected "
+                f"float64 {expected} for {features} features (member {member!r})"
+            )
+        packed = npy.read()
     if not np.all(np.isfinite(packed)):
         raise CalibrationError(f"{path}: tensor {name!r}: XᵀX contains NaN or Inf")
     xtx = _unpack(packed, features)

@@ -23,13 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from qtool.calibration.archive import write_member
+from qtool.calibration.archive import MAX_INDEX_BYTES, write_member
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes
+from qtool.zip_members import MAX_NPY_HEADER_BYTES, READ_ERRORS, NpyMember, read_member
 
 FORMAT = "qtool-stats/1"
+# The largest `bins` a stats file may record: recipe.MAX_BINS, the largest calibration.bins
+# (a test checks that they agree; not imported, to keep the recipe's YAML loader out of the
+# stats reader). It bounds every histogram member at 2 * MAX_BINS int64 counts = 256 KiB.
+MAX_BINS = 16384
 
 
 @dataclass(frozen=True)
@@ -202,20 +207,23 @@ def read_stats_file(path: Path) -> StatsFile:
         raise CalibrationError(f"{path}: stats file not found (run `qtool calibrate` first)")
     try:
         with zipfile.ZipFile(path) as archive:
-            index = json.loads(archive.read("index.json"))
+            index = json.loads(
+                read_member(path, archive, "index.json", MAX_INDEX_BYTES, error=CalibrationError)
+            )
             if not isinstance(index, dict) or index.get("format") != FORMAT:
                 found = index.get("format") if isinstance(index, dict) else None
                 raise CalibrationError(f"{path}: not a qtool stats file ({found!r})")
             bins = index["bins"]
             if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2 or bins % 2:
                 raise CalibrationError(f"{path}: index bins must be an even integer, got {bins!r}")
-            stats = []
-            for entry in index["tensors"]:
-                counts = np.load(io.BytesIO(archive.read(entry["counts"])), allow_pickle=False)
-                stats.append(_checked_tensor(path, entry, counts, bins))
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError) as exc:
+            if bins > MAX_BINS:
+                raise CalibrationError(
+                    f"{path}: index bins is {bins}; calibration.bins is at most {MAX_BINS}"
+                )
+            stats = [_checked_tensor(path, archive, entry, bins) for entry in index["tensors"]]
+    except (*READ_ERRORS, KeyError, ValueError, TypeError, RecursionError) as exc:
         raise CalibrationError(
-            f"{path}: corrupt stats file ({type(exc).__name__}: {exc})"
+            f"{path}: corrupt stats file ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
     names = [s.name for s in stats]
     if len(set(names)) != len(names):
@@ -238,10 +246,14 @@ def read_stats_file(path: Path) -> StatsFile:
     )
 
 
-def _checked_tensor(path: Path, entry: dict, counts: np.ndarray, bins: int) -> TensorStats:
+def _checked_tensor(path: Path, archive: zipfile.ZipFile, entry: dict, bins: int) -> TensorStats:
     """One index entry as TensorStats, refused unless it is what HistogramObserver.result() makes:
-    2 * bins non-negative integer counts over [-R, R], finite min <= max inside it, samples >= 1."""
-    name = str(entry["name"])
+    2 * bins non-negative integer counts over [-R, R], finite min <= max inside it, samples >= 1.
+
+    The counts member's size and .npy header are checked before its data is read (archive.py),
+    so a tampered header or a zip bomb costs nothing."""
+    name = str(entry["name"])[:200]
+    member = entry["counts"]
 
     def fail(problem: str) -> CalibrationError:
         return CalibrationError(f"{path}: tensor '{name}': {problem}")
@@ -260,12 +272,21 @@ def _checked_tensor(path: Path, entry: dict, counts: np.ndarray, bins: int) -> T
     if half_range <= 0 or max(abs(low), abs(high)) > half_range:
         raise fail(f"histogram half-range {half_range} does not cover [min, max] = [{low}, {high}]")
     expected = 2 * bins
-    if counts.ndim != 1 or counts.shape[0] != expected:
-        raise fail(
-            f"histogram has shape {list(counts.shape)}, but the file's bins ({bins}) make "
-            f"{expected} bins"
-        )
-    if counts.dtype.kind not in "iu" or (counts < 0).any():
+    limit = MAX_NPY_HEADER_BYTES + expected * np.dtype(np.int64).itemsize
+    where = f"tensor '{name}': "
+    with NpyMember(path, archive, member, where, limit=limit, error=CalibrationError) as npy:
+        if npy.shape != (expected,):
+            raise fail(
+                f"histogram has shape {list(npy.shape)}, but the file's bins ({bins}) make "
+                f"{expected} bins (member {member!r})"
+            )
+        if npy.dtype.kind not in "iu":
+            raise fail(
+                f"histogram counts must be non-negative integers, got dtype {npy.dtype} "
+                f"(member {member!r})"
+            )
+        counts = npy.read()
+    if (counts < 0).any():
         raise fail(f"histogram counts must be non-negative integers, got dtype {counts.dtype}")
     samples = entry["samples"]
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
@@ -277,7 +298,10 @@ def stats_data_sha256(path: Path) -> str | None:
     """The calibration data fingerprint a stats file records (None for files that have none)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            value = json.loads(archive.read("index.json")).get("data_sha256")
-    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
-        raise CalibrationError(f"{path}: corrupt stats file ({exc})") from None
+            index = json.loads(
+                read_member(path, archive, "index.json", MAX_INDEX_BYTES, error=CalibrationError)
+            )
+        value = index.get("data_sha256") if isinstance(index, dict) else None
+    except (*READ_ERRORS, ValueError, RecursionError) as exc:
+        raise CalibrationError(f"{path}: corrupt stats file ({str(exc)[:200]})") from None
     return value if isinstance(value, str) else None

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import Any, TypeVar
 
 from qtool.algorithms.spec import (
     ALGORITHM_ORDER,
@@ -27,6 +26,7 @@ from qtool.algorithms.spec import (
 )
 from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
 from qtool.config import presets
+from qtool.config.yaml_load import load_yaml
 from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
 from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem
@@ -51,12 +51,7 @@ from qtool.plan.settings import (
 from qtool.qat.spec import QAT_LOSSES, QAT_OPTIMIZERS, QatSpec
 from qtool.search.spec import MIXED_METRICS, MIXED_OBJECTIVES, BudgetSpec, MixedPrecisionSpec
 
-# A recipe is a page of settings: anything larger, or any document whose aliases expand to more
-# nodes than this, is an attack (a "billion laughs" alias bomb) or a mistake, refused before any
-# walk over the parsed data (a repr, a merge) could expand it.
-MAX_RECIPE_BYTES = 1 << 20
-
-MAX_YAML_NODES = 100_000
+T = TypeVar("T")
 
 # No integer setting means anything above this; larger values (2**40 bins, a 1e30 batch) would
 # only fail later as a MemoryError or an int64 overflow inside numpy or ONNX Runtime.
@@ -119,7 +114,16 @@ class _Reader:
         self.base = recipe_path.parent
 
     def fail(self, where: str, message: str) -> RecipeError:
-        return RecipeError(f"{self.recipe_path}: {where}: {message}")
+        return RecipeError(_one_line(f"{self.recipe_path}: {where}: {message}"))
+
+    def probe(self, path: Path, where: str, query: Callable[[Path], T]) -> T:
+        """`query(path)` (Path.is_file, Path.resolve, ...), with a path the OS refuses (a name
+        over 255 bytes, a NUL byte) reported at `where` instead of raising OSError/ValueError."""
+        try:
+            return query(path)
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise self.fail(where, f"not a usable path ({reason}): {_show(str(path))}") from None
 
     def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()):
         if not isinstance(value, dict):
@@ -166,13 +170,13 @@ class _Reader:
 
     def existing_file(self, value: Any, where: str) -> Path:
         path = self.base / self.string(value, where)
-        if not path.is_file():
+        if not self.probe(path, where, Path.is_file):
             raise self.fail(where, f"file not found: {path}")
         return path
 
     def existing_dir(self, value: Any, where: str) -> Path:
         path = self.base / self.string(value, where)
-        if not path.is_dir():
+        if not self.probe(path, where, Path.is_dir):
             raise self.fail(where, f"folder not found: {path}")
         return path
 
@@ -180,7 +184,7 @@ class _Reader:
         text = self.string(value, where)
         file_part, sep, func = text.rpartition(":")
         if not sep or not file_part.endswith(".py") or not func.isidentifier():
-            raise self.fail(where, f"must look like 'file.py:function', got {text!r}")
+            raise self.fail(where, f"must look like 'file.py:function', got {_show(text)}")
         path = self.existing_file(file_part, where)
         return f"{path}:{func}"
 
@@ -202,6 +206,14 @@ class _Reader:
         return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
 
 
+def _one_line(text: str) -> str:
+    """Errors quote what the user wrote (keys, paths); a newline or other control character in
+    it would break the one-line message, so such characters are shown escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
@@ -211,7 +223,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     recipe_path = Path(path)
     if not recipe_path.is_file():
         raise RecipeError(f"{recipe_path}: recipe file not found")
-    raw = _parse_yaml(recipe_path)
+    raw = load_yaml(recipe_path)
     reader = _Reader(recipe_path)
     raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
     top = reader.mapping(
@@ -260,74 +272,6 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     )
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing documents whose aliases expand past MAX_YAML_NODES nodes.
-
-    PyYAML shares an aliased node instead of copying it, so parsing a billion-laughs document is
-    cheap; the cost comes later, from anything that walks the result (a repr in an error message,
-    merging a preset). The expanded size is counted on the composed node graph, where each
-    distinct node is visited once, before any Python object is built.
-    """
-
-    def check_expansion(self, root: yaml.Node, path: Path) -> None:
-        sizes: dict[int, int] = {}
-        visiting: set[int] = set()
-
-        def size(node: yaml.Node) -> int:
-            key = id(node)
-            if key in sizes:
-                return sizes[key]
-            if key in visiting:
-                raise RecipeError(f"{path}: YAML alias refers to itself (a recursive document)")
-            visiting.add(key)
-            total = 1
-            if isinstance(node, yaml.SequenceNode):
-                total += sum(size(item) for item in node.value)
-            elif isinstance(node, yaml.MappingNode):
-                total += sum(size(k) + size(v) for k, v in node.value)
-            visiting.discard(key)
-            if total > MAX_YAML_NODES:
-                raise RecipeError(
-                    f"{path}: line {node.start_mark.line + 1}: YAML aliases expand to more than "
-                    f"{MAX_YAML_NODES} values (an alias bomb?); a recipe needs far fewer"
-                )
-            sizes[key] = total
-            return total
-
-        size(root)
-
-
-def _parse_yaml(path: Path) -> Any:
-    """Parse one YAML file with bounded size and alias expansion; errors name the file and line."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_RECIPE_BYTES + 1)
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(
-            f"{path}: larger than {MAX_RECIPE_BYTES // 1024} KiB: not a recipe (they are a page)"
-        )
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    loader = _BoundedLoader(text)
-    try:
-        root = loader.get_single_node()
-        if root is None:
-            return None
-        loader.check_expansion(root, path)
-        return loader.construct_document(root)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "YAML"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{path}: {where}: malformed YAML: {problem}") from None
-    finally:
-        loader.dispose()
-
-
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
     """Merge a `base:` (a preset by name, or a recipe file) under this recipe's own keys, by
     the rules of docs/recipe.md: mappings merge key by key, lists and `inputs:` replace, `null`
@@ -338,18 +282,19 @@ def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
     """
     if not isinstance(raw, dict) or "base" not in raw:
         return raw
-    base_path = presets.resolve_base(reader.string(raw["base"], "base"), chain[-1].parent)
-    if base_path is None or not base_path.is_file():
-        name = raw["base"]
+    name = reader.string(raw["base"], "base")
+    folder = chain[-1].parent
+    base_path = reader.probe(folder, "base", lambda f: presets.resolve_base(name, f))
+    if base_path is None or not reader.probe(base_path, "base", Path.is_file):
         raise reader.fail(
             "base",
-            f"no preset named {name!r} (presets: {', '.join(presets.names())}) and no file "
-            f"{(chain[-1].parent / name).resolve()}",
+            f"no preset named {_show(name)} (presets: {', '.join(presets.names())}) and no file "
+            f"{_show(str(folder / name))}",
         )
     if base_path in chain:
         raise reader.fail("base", f"presets include each other in a loop: {base_path}")
     try:
-        base = _parse_yaml(base_path) or {}
+        base = load_yaml(base_path) or {}
     except RecipeError as exc:
         raise reader.fail("base", str(exc)) from None
     if not isinstance(base, dict):

@@ -9,6 +9,8 @@ once, so later stages can trust it and errors name the input and the sample.
 
 from __future__ import annotations
 
+import math
+import os
 import struct
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -21,6 +23,7 @@ import numpy as np
 from qtool.data.spec import DataSpec, ImageFolder, InputSpec
 from qtool.errors import DataError, QtoolError
 from qtool.model.load import load_entry_point
+from qtool.zip_members import READ_ERRORS, NpyMember
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".webp")
 
@@ -49,7 +52,7 @@ def iter_batches(
     `shapes_from` names who declared `inputs`, for error messages: None for the recipe's
     `inputs:`, else the model file they were read from (whose symbolic dims take any size).
     """
-    chunks = _source_chunks(spec, inputs, seed)
+    chunks = _source_chunks(spec, inputs, seed, shapes_from)
     pending: list[Batch] = []
     pending_count = 0
     produced = 0
@@ -94,11 +97,11 @@ def count_samples_hint(spec: DataSpec, max_samples: int | None) -> int | None:
             with zipfile.ZipFile(spec.npz) as archive:
                 first = next((n for n in archive.namelist() if n != "labels.npy"), None)
                 total = None if first is None else _NpyStream(archive, first, spec.npz).rows
-        except (OSError, zipfile.BadZipFile):
+        except READ_ERRORS:
             total = None  # iter_batches reports the unreadable file with its reason
     elif spec.npy is not None:
         first_path = next(iter(spec.npy.values()))
-        total = int(np.load(first_path, mmap_mode="r").shape[0])
+        total = int(_open_npy_file(first_path).shape[0])
     elif spec.synthetic:
         total = spec.samples
     if total is not None and max_samples is not None:
@@ -157,17 +160,7 @@ def _validate(
         )
     for spec in inputs:
         array = batch.inputs[spec.name]
-        if not _fits(array.shape, spec.shape):
-            if shapes_from is None:
-                raise DataError(
-                    f"{where}: input '{spec.name}' has sample shape {list(array.shape[1:])} but "
-                    f"the recipe declares inputs.{spec.name}: {list(spec.shape)} (sample shape "
-                    f"{list(spec.shape[1:])})"
-                )
-            raise DataError(
-                f"{where}: input '{spec.name}' has shape {list(array.shape)} but {shapes_from} "
-                f"declares {_format_dims(spec.shape)}"
-            )
+        _check_shape(array.shape, spec, where, shapes_from)
         if np.dtype(array.dtype) != np.dtype(spec.dtype):
             if spec.dtype.startswith("float") and np.issubdtype(array.dtype, np.floating):
                 batch.inputs[spec.name] = array.astype(spec.dtype)
@@ -184,6 +177,23 @@ def _validate(
                 raise DataError(f"{where}: input '{spec.name}' has NaN or Inf in sample {bad}")
 
 
+def _check_shape(
+    shape: tuple[int, ...], spec: InputSpec, where: str, shapes_from: str | None
+) -> None:
+    """Refuse an array of `shape` for the input `spec` declares (see iter_batches' shapes_from)."""
+    if _fits(shape, spec.shape):
+        return
+    if shapes_from is None:
+        raise DataError(
+            f"{where}: input '{spec.name}' has sample shape {list(shape[1:])} but the recipe "
+            f"declares inputs.{spec.name}: {list(spec.shape)} (sample shape {list(spec.shape[1:])})"
+        )
+    raise DataError(
+        f"{where}: input '{spec.name}' has shape {list(shape)} but {shapes_from} declares "
+        f"{_format_dims(spec.shape)}"
+    )
+
+
 def _fits(shape: tuple[int, ...], declared: tuple[int | str | None, ...]) -> bool:
     """Same rank, and every fixed dim after the batch axis equal; symbolic dims take any size."""
     if len(shape) != len(declared):
@@ -193,9 +203,11 @@ def _fits(shape: tuple[int, ...], declared: tuple[int | str | None, ...]) -> boo
     )
 
 
-def _source_chunks(spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int) -> Iterable[Batch]:
+def _source_chunks(
+    spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int, shapes_from: str | None = None
+) -> Iterable[Batch]:
     if spec.npz is not None:
-        return _npz_chunks(spec.npz, inputs, spec.where)
+        return _npz_chunks(spec.npz, inputs, spec.where, shapes_from)
     if spec.npy is not None:
         return _npy_chunks(spec, spec.where)
     if spec.images is not None:
@@ -207,17 +219,35 @@ def _source_chunks(spec: DataSpec, inputs: tuple[InputSpec, ...], seed: int) -> 
     raise DataError(f"{spec.where}: no data source given")
 
 
-def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterator[Batch]:
+def _npz_chunks(
+    path: Path, inputs: tuple[InputSpec, ...], where: str, shapes_from: str | None = None
+) -> Iterator[Batch]:
     """Stream an .npz member by member, `_CHUNK` samples at a time, never loading whole arrays.
 
     np.load reads an .npz member completely, so a large calibration file would make memory grow
     with the sample count; reading the .npy header and then row blocks from the zip stream keeps
-    it flat (compressed or not).
+    it flat (compressed or not). The headers are checked against the members' sizes and the
+    declared input shapes before the first row is read, so a header that claims a sample of
+    10**12 values is refused instead of allocated, and a member inflates only as far as the rows
+    the recipe asks for (a zip bomb in a data file costs what max_samples reads of it).
     """
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    try:
+        yield from _npz_member_chunks(archive, path, inputs, where, shapes_from)
+    except READ_ERRORS as exc:  # a damaged member: CRC, deflate stream, short file
+        raise DataError(f"{path}: damaged .npz file ({str(exc)[:200]})") from None
+
+
+def _npz_member_chunks(
+    archive: zipfile.ZipFile,
+    path: Path,
+    inputs: tuple[InputSpec, ...],
+    where: str,
+    shapes_from: str | None,
+) -> Iterator[Batch]:
     with archive, open(path, "rb") as raw:
         members = {name.removesuffix(".npy"): name for name in archive.namelist()}
         names = [i.name for i in inputs]
@@ -231,6 +261,8 @@ def _npz_chunks(path: Path, inputs: tuple[InputSpec, ...], where: str) -> Iterat
         if len({stream.rows for stream in streams.values()}) != 1:
             counts = {n: stream.rows for n, stream in streams.items()}
             raise DataError(f"{path}: arrays have different sample counts {counts}")
+        for spec in inputs:  # from the headers, before a row is read or allocated
+            _check_shape(streams[spec.name].shape, spec, where, shapes_from)
         for start in range(0, total, _CHUNK):
             count = min(_CHUNK, total - start)
             arrays = {n: streams[n].read(count) for n in wanted}
@@ -251,26 +283,24 @@ class _NpyStream:
 
     def __init__(self, archive, member: str, path: Path, raw: BinaryIO | None = None) -> None:
         self.path = path
-        self.handle = archive.open(member)
-        try:
-            version = np.lib.format.read_magic(self.handle)
-            read_header = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = read_header(self.handle)
-        except ValueError as exc:
-            raise DataError(f"{path}: member {member} is not a .npy array ({exc})") from None
-        if fortran or dtype.hasobject or not shape:
+        # Sizes and header checked before any data is read; no inflation limit, since padded
+        # token ids and masks deflate 50-500x, but deflate's own 1032:1 bound and the member's
+        # declared size still hold (zipfile stops reading there).
+        npy = NpyMember(
+            path, archive, member, max_inflation=None, allow_trailing=True, error=DataError
+        )
+        self.handle = npy.handle
+        shape, fortran, dtype = npy.shape, npy.fortran, npy.dtype
+        if fortran or not shape:
+            npy.close()
             raise DataError(f"{path}: member {member} must be a C-ordered numeric array")
         self.shape, self.dtype = shape, dtype
         self.rows = shape[0]
-        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self.row_bytes = math.prod(shape[1:]) * dtype.itemsize
         self.raw, self.offset = None, 0
-        info = archive.getinfo(member)
+        info = npy.info
         if raw is not None and info.compress_type == zipfile.ZIP_STORED:
-            self.raw, self.offset = raw, _stored_data_offset(raw, info, path) + self.handle.tell()
+            self.raw, self.offset = raw, _stored_data_offset(raw, info, path) + npy.header_bytes
 
     def read(self, count: int) -> np.ndarray:
         if self.raw is None:
@@ -299,19 +329,49 @@ def _stored_data_offset(raw: BinaryIO, info: zipfile.ZipInfo, path: Path) -> int
     return info.header_offset + 30 + name_length + extra_length
 
 
+def _open_npy_file(path: Path) -> np.ndarray:
+    """An .npy file memory-mapped, after its header is checked against the file's size: numpy
+    would read (np.load) or map a header's claim of 10**12 elements before noticing the file is
+    4 KiB, and fail with an allocation or mmap error that names neither."""
+    try:
+        with open(path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(handle)
+            header = handle.tell()
+            size = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (ValueError, SyntaxError, RecursionError) as exc:
+        problem = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DataError(f"{path}: not a readable .npy file ({problem})") from None
+    if dtype.hasobject or any(dim < 0 for dim in shape):
+        raise DataError(f"{path}: must be a numeric array, got {dtype} {list(shape)}")
+    needed = math.prod(shape) * dtype.itemsize
+    if header + needed > size:
+        raise DataError(
+            f"{path}: ends inside an array (its header says {dtype} {list(shape)}, "
+            f"{needed} bytes, but the file holds {size - header})"
+        )
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as exc:  # numpy's own reasons (an empty array cannot be mapped)
+        raise DataError(f"{path}: not a readable .npy file ({exc})") from None
+
+
 def _npy_chunks(spec: DataSpec, where: str) -> Iterator[Batch]:
-    arrays = {}
-    for name, path in (spec.npy or {}).items():
-        try:
-            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        except Exception as exc:
-            raise DataError(f"{path}: not a readable .npy file ({exc})") from None
-    labels = np.load(spec.labels, allow_pickle=False) if spec.labels is not None else None
+    arrays = {name: _open_npy_file(path) for name, path in (spec.npy or {}).items()}
+    labels = _open_npy_file(spec.labels) if spec.labels is not None else None
     total = min(len(a) for a in arrays.values())
     step = 256
     for start in range(0, total, step):
         chunk = {n: np.asarray(a[start : start + step]) for n, a in arrays.items()}
-        yield Batch(chunk, None if labels is None else labels[start : start + step])
+        rows = None if labels is None else np.array(labels[start : start + step])
+        yield Batch(chunk, rows)
 
 
 def _image_chunks(folder: ImageFolder, where: str) -> Iterator[Batch]:

@@ -22,6 +22,7 @@ byte-identical to those of a qtool without this module.
 from __future__ import annotations
 
 import hashlib
+import math
 import tempfile
 import weakref
 from collections.abc import Collection, Iterator
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor
@@ -90,9 +90,12 @@ def data_location(path: Path) -> str:
     return f"{Path(path).name}.data"
 
 
-def _raw_nbytes(tensor: TensorProto) -> int:
-    """Bytes of raw_data that `tensor`'s type and shape need (what ONNX stores, 4-bit packed)."""
-    count = int(np.prod(tensor.dims, dtype=np.int64))
+def raw_nbytes(tensor: TensorProto) -> int:
+    """Bytes of raw_data that `tensor`'s type and shape need (what ONNX stores, 4-bit packed).
+
+    In Python integers: dims of a damaged or hostile file may multiply past int64, where numpy's
+    product would wrap to a small or negative size."""
+    count = math.prod(tensor.dims)
     bits = _SUB_BYTE_BITS.get(tensor.data_type)
     if bits is None:
         return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
@@ -105,7 +108,7 @@ def tensor_nbytes(tensor: TensorProto) -> int:
     if tensor.data_location == TensorProto.EXTERNAL:
         return 0
     if tensor.HasField("raw_data"):
-        return _raw_nbytes(tensor)
+        return raw_nbytes(tensor)
     if tensor.data_type == TensorProto.STRING:
         return sum(len(s) for s in tensor.string_data)
     return sum(len(getattr(tensor, name)) * size for name, size in _TYPED_FIELDS)
@@ -209,7 +212,7 @@ def _layout(model: onnx.ModelProto, location: str) -> _Layout:
             out.CopyFrom(init)
             continue
         _copy_fields(init, out, _DATA_FIELDS)
-        length = _raw_nbytes(init)
+        length = raw_nbytes(init)
         offset = -(-end // ALIGNMENT) * ALIGNMENT
         out.data_location = TensorProto.EXTERNAL
         for key, value in (("location", location), ("offset", offset), ("length", length)):

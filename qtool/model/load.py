@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import math
 import pickletools
 import re
 import sys
@@ -23,6 +24,7 @@ import onnx
 
 from qtool.data.spec import InputSpec
 from qtool.errors import ModelError, first_line
+from qtool.model.external_data import raw_nbytes
 from qtool.model.spec import ModelSpec
 from qtool.phases import phase
 
@@ -115,7 +117,88 @@ def load_onnx(path: Path, digest: hashlib._Hash | None = None) -> onnx.ModelProt
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # a location outside the folder, a file shorter than an offset
         raise ModelError(f"{path}: cannot read its external data ({first_line(exc)})") from None
+    check_initializers(model, str(path))
     return model
+
+
+# Element types stored one value per element in a typed field (complex ones two), when a
+# tensor has no raw_data. Sub-byte types pack theirs and are not counted here.
+_TYPED_STORAGE = {
+    onnx.TensorProto.FLOAT: ("float_data", 1),
+    onnx.TensorProto.COMPLEX64: ("float_data", 2),
+    onnx.TensorProto.DOUBLE: ("double_data", 1),
+    onnx.TensorProto.COMPLEX128: ("double_data", 2),
+    onnx.TensorProto.INT64: ("int64_data", 1),
+    onnx.TensorProto.UINT32: ("uint64_data", 1),
+    onnx.TensorProto.UINT64: ("uint64_data", 1),
+    **{
+        getattr(onnx.TensorProto, name): ("int32_data", 1)
+        for name in (
+            "INT32",
+            "INT16",
+            "INT8",
+            "UINT8",
+            "UINT16",
+            "BOOL",
+            "FLOAT16",
+            "BFLOAT16",
+            "FLOAT8E4M3FN",
+            "FLOAT8E4M3FNUZ",
+            "FLOAT8E5M2",
+            "FLOAT8E5M2FNUZ",
+        )  # fmt: skip
+        if hasattr(onnx.TensorProto, name)
+    },
+}
+
+
+def _amount(count: int) -> str:
+    """A count for a message: exact up to 15 digits, else 3 significant ones (10**53 elements)."""
+    return str(count) if count < 10**15 else f"{count:.3e}"
+
+
+def _data_problem(tensor: onnx.TensorProto) -> str | None:
+    """What is wrong with a tensor's data given its dims and type, or None when they agree."""
+    dims = list(tensor.dims)
+    if any(dim < 0 for dim in dims):
+        return f"has a negative dimension in its dims {dims}"
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None  # not loaded (onnx.load_external_data_for_model checks what it reads)
+    count = math.prod(dims)
+    if tensor.data_type == onnx.TensorProto.STRING:
+        have = len(tensor.string_data)
+        return None if have == count else f"has dims {dims} ({count} strings) but holds {have}"
+    try:
+        type_name = onnx.TensorProto.DataType.Name(tensor.data_type)
+        need = raw_nbytes(tensor)
+    except (KeyError, ValueError, TypeError):
+        return f"has element type {tensor.data_type}, which is not an ONNX tensor type"
+    claim = f"dims {dims} ({_amount(count)} {type_name} elements, {_amount(need)} bytes)"
+    if tensor.HasField("raw_data"):
+        have = len(tensor.raw_data)  # copies the bytes (~1 ms per MB), one tensor at a time
+        return None if have == need else f"has {claim} but holds {have} bytes of data"
+    storage = _TYPED_STORAGE.get(tensor.data_type)
+    if storage is None:
+        return None
+    field, per_element = storage
+    have = len(getattr(tensor, field))
+    if have != count * per_element:
+        return f"has {claim} but holds {have} values in {field}"
+    return None
+
+
+def check_initializers(model: onnx.ModelProto, source: str) -> None:
+    """Refuse a model whose initializers' data disagree with their dims and type, naming the
+    initializer, its dims and its byte count.
+
+    onnx's loader does not compare them, so a tensor whose dims claim 10**53 elements over 16
+    bytes used to surface inside shape inference as "element type of tensor ... cannot be
+    inferred" (naming a node output, not the tensor at fault), and a short one as a numpy or
+    ONNX Runtime error about a reshape."""
+    for tensor in model.graph.initializer:
+        problem = _data_problem(tensor)
+        if problem is not None:
+            raise ModelError(f"{source}: initializer {tensor.name!r} {problem}")
 
 
 # Element types newer than IR 8 and the IR version that added each (onnx.proto's history).

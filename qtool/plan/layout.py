@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from qtool.errors import ModelError
 from qtool.plan.node_settings import NodeSettings, resolve_node_settings
 from qtool.plan.plan import NodePlan, Plan, WeightPlan
 from qtool.plan.settings import SUPPORTED_OP_TYPES, QuantizationSpec
@@ -344,7 +345,7 @@ def _weighted_node(
         if blocked or spec.target == "ort-cpu":
             block = _block_size_for(dims[1], settings.block_size or 128, spec.target)
         axis = 1 if block is not None else 0
-        layout.weights.setdefault(table, WeightSlot(table, axis, "gather", block_size=block))
+        _add_weight(layout, node, graph, WeightSlot(table, axis, "gather", block_size=block))
         return None
     if node.op_type == "MatMul":
         a, b = inputs[0], inputs[1]
@@ -359,7 +360,7 @@ def _weighted_node(
             else:
                 axis = None if per_tensor or len(dims) != 2 else 1
                 slot = WeightSlot(b, axis, "k-rows")
-            layout.weights.setdefault(b, slot)
+            _add_weight(layout, node, graph, slot)
         elif not graph.is_float_activation(b):
             return "input B is not float"
         return None
@@ -402,11 +403,25 @@ def _weighted_node(
     if per_tensor:
         axis = None
     slot = WeightSlot(w, axis, reduction, group, block_size, transposed)
-    layout.weights.setdefault(w, slot)
+    _add_weight(layout, node, graph, slot)
     integer_bias = activations_int8 and block_size is None and settings.bits == 8
     if bias_ok and integer_bias:
         layout.biases.setdefault(bias, BiasSlot(bias, x, w))
     return None
+
+
+def _add_weight(layout: Layout, node: onnx.NodeProto, graph: _Graph, slot: WeightSlot) -> None:
+    """Record `slot` for `node`, refusing a weight with no elements: there is nothing to take a
+    range of, and the failure would otherwise come from the min/max kernel, naming neither the
+    node nor the tensor."""
+    dims = list(graph.initializers[slot.tensor].dims)
+    if 0 in dims:
+        raise ModelError(
+            f"node {node.name!r} ({node.op_type}): weight {slot.tensor!r} has shape {dims}, "
+            "which holds no values to quantize (a zero-size dimension); fix the model or list "
+            "the node in quantization.exclude"
+        )
+    layout.weights.setdefault(slot.tensor, slot)
 
 
 def _float_attr(node: onnx.NodeProto, name: str) -> float:
