@@ -134,179 +134,192 @@ def run_qat(
         net.eval()
         teacher = copy.deepcopy(net)
     prepared = _prepare(recipe, net)
-    layout, model = prepared.layout, prepared.model.model
-    calibration = statistics(recipe, prepared, stats_path, progress, group)
-    stats = calibration.by_name()
-    feeds = verify_feeds(settings.calibration_data(recipe))
-    device = kernels.default_device()
-    cpu = resolve_cpu(recipe.quantization.cpu)
-    symmetric = recipe.quantization.symmetric_activations
-    calibrated = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
-    names = [i.name for i in recipe.inputs]
-    with phase("mapping the plan to the PyTorch modules"):
-        sites = activation_sites(model, layout, names)
-        ties = map_weights(model, layout, net)
-        check_sites(net, model, sites, feeds[0])
-    initializers = {init.name for init in model.graph.initializer}
-    plain = {n: p.detach().numpy() for n, p in net.named_parameters()}
-    _, unused = initializer_state(plain, ties, initializers)
-    for name in unused:  # not in the exported graph: no gradient, nothing to export
-        net.get_parameter(name).requires_grad_(False)
-    # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
-    # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
-    learned = frozenset()
-    if qat.learn_scales:
-        learned = frozenset(layout.weights) - integer_kernel_weights(layout)
-    stores = weight_stores(layout, recipe.quantization.saturation, cpu, device, ties)
-    nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
-    int8_inputs = int8_compute_inputs(model, layout, stores, ties, net, nbits)
-    fake = FakeQuantModel(
-        net,
-        sites,
-        calibrated,
-        stores,
-        qat.learn_scales,
-        frozenset(ties[name].parameter for name in learned),
-        int8_inputs,
-    )
-
-    train_spec = qat.data or recipe.calibration.data
-    max_samples = None if qat.data is not None else recipe.calibration.max_samples
-    inputs, labels, _ = _stack(train_spec, recipe, max_samples)
-    distill = labels is None or qat.loss is None
-    if distill:
-        size = len(inputs[names[0]])
-        chunks = [{n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)]
-        outs = export.torch_outputs(teacher, chunks, names)
-        targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
-    else:
-        targets = labels
-    data = TrainingSet(inputs, targets, distill)
-    loss_fn, loss_name = make_loss(qat.loss, distill)
-
-    evaluation = recipe.evaluation
-    eval_feeds, eval_labels = None, None
-    if evaluation is not None:
-        batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
-        eval_feeds = [b.inputs for b in batches]
-        if batches[0].labels is not None:
-            eval_labels = [b.labels for b in batches]
-    check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
-
-    accuracy = {}
-    if eval_labels is not None and group.primary:
-        fp32 = export.torch_outputs(teacher, eval_feeds, names)
-        accuracy["fp32"] = export.accuracy(fp32, eval_labels)
-        accuracy["fake_quant_before"] = export.accuracy(
-            export.torch_outputs(fake, eval_feeds, names), eval_labels
+    try:
+        layout, model = prepared.layout, prepared.model.model
+        calibration = statistics(recipe, prepared, stats_path, progress, group)
+        stats = calibration.by_name()
+        feeds = verify_feeds(settings.calibration_data(recipe))
+        device = kernels.default_device()
+        cpu = resolve_cpu(recipe.quantization.cpu)
+        symmetric = recipe.quantization.symmetric_activations
+        calibrated = activation_parameters(layout, stats, recipe.calibration, symmetric, device)
+        names = [i.name for i in recipe.inputs]
+        with phase("mapping the plan to the PyTorch modules"):
+            sites = activation_sites(model, layout, names)
+            ties = map_weights(model, layout, net)
+            check_sites(net, model, sites, feeds[0])
+        initializers = {init.name for init in model.graph.initializer}
+        plain = {n: p.detach().numpy() for n, p in net.named_parameters()}
+        _, unused = initializer_state(plain, ties, initializers)
+        for name in unused:  # not in the exported graph: no gradient, nothing to export
+            net.get_parameter(name).requires_grad_(False)
+        # LSQ weight scales only where no integer kernel multiplies the weight: an int8 kernel
+        # weight keeps the writer's format (pair-safe where 16-bit pair sums could saturate).
+        learned = frozenset()
+        if qat.learn_scales:
+            learned = frozenset(layout.weights) - integer_kernel_weights(layout)
+        stores = weight_stores(layout, recipe.quantization.saturation, cpu, device, ties)
+        nbits, nbits_reason = nbits_level(recipe.quantization, cpu)
+        int8_inputs = int8_compute_inputs(model, layout, stores, ties, net, nbits)
+        fake = FakeQuantModel(
+            net,
+            sites,
+            calibrated,
+            stores,
+            qat.learn_scales,
+            frozenset(ties[name].parameter for name in learned),
+            int8_inputs,
         )
-    identity = {
-        "float_model_sha256": prepared.model.fingerprint,
-        "calibration_data_sha256": calibration.data_sha256 or "none",
-        "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
-        "seed": seed,
-        "processes": group.world,  # the global batch is batch_size x processes
-    }
-    started, cpu_started = time.perf_counter(), time.process_time()
-    with deterministic(seed):
-        history = train(
-            fake,
-            data,
-            loss_fn,
-            epochs=qat.epochs,
-            lr=qat.lr,
-            optimizer_name=qat.optimizer,
-            batch_size=qat.batch_size,
-            seed=seed,
-            output_dir=recipe.output_dir,
-            identity=identity,
-            resume=resume,
-            progress=progress,
-            group=group,
+
+        train_spec = qat.data or recipe.calibration.data
+        max_samples = None if qat.data is not None else recipe.calibration.max_samples
+        inputs, labels, _ = _stack(train_spec, recipe, max_samples)
+        distill = labels is None or qat.loss is None
+        if distill:
+            size = len(inputs[names[0]])
+            chunks = [{n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)]
+            outs = export.torch_outputs(teacher, chunks, names)
+            targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
+        else:
+            targets = labels
+        data = TrainingSet(inputs, targets, distill)
+        loss_fn, loss_name = make_loss(qat.loss, distill)
+
+        evaluation = recipe.evaluation
+        eval_feeds, eval_labels = None, None
+        if evaluation is not None:
+            batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
+            eval_feeds = [b.inputs for b in batches]
+            if batches[0].labels is not None:
+                eval_labels = [b.labels for b in batches]
+        check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
+
+        accuracy = {}
+        if eval_labels is not None and group.primary:
+            fp32 = export.torch_outputs(teacher, eval_feeds, names)
+            accuracy["fp32"] = export.accuracy(fp32, eval_labels)
+            accuracy["fake_quant_before"] = export.accuracy(
+                export.torch_outputs(fake, eval_feeds, names), eval_labels
+            )
+        identity = {
+            "float_model_sha256": prepared.model.fingerprint,
+            "calibration_data_sha256": calibration.data_sha256 or "none",
+            "qat": repr(replace(qat, epochs=0)),  # more epochs may follow a resume
+            "seed": seed,
+            "processes": group.world,  # the global batch is batch_size x processes
+        }
+        started, cpu_started = time.perf_counter(), time.process_time()
+        with deterministic(seed):
+            history = train(
+                fake,
+                data,
+                loss_fn,
+                epochs=qat.epochs,
+                lr=qat.lr,
+                optimizer_name=qat.optimizer,
+                batch_size=qat.batch_size,
+                seed=seed,
+                output_dir=recipe.output_dir,
+                identity=identity,
+                resume=resume,
+                progress=progress,
+                group=group,
+            )
+        train_seconds = time.perf_counter() - started
+        train_cpu_seconds = time.process_time() - cpu_started
+        if not group.primary:
+            group.barrier("waiting for rank 0 to write the QAT model")
+            return None
+
+        with phase("writing the QAT model"):
+            trained, _ = initializer_state(fake.float_state(), ties, initializers)
+            trained_model = export.with_trained_weights(model, trained)
+            activations = fake.activation_params()
+            weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
+            by_parameter = {tie.parameter: name for name, tie in ties.items()}
+            weights.update({by_parameter[p]: w for p, w in fake.learned_weights().items()})
+            plans = layout.plan.weight_plans()
+            for name in learned:
+                plans[name].reason += " (scales learned by QAT, LSQ)"
+            biases = bias_parameters(trained_model, layout, activations, weights)
+            quantized = write_qdq_model(
+                trained_model,
+                layout,
+                activations,
+                weights,
+                biases,
+                recipe.quantization.target,
+                nbits,
+            )
+        node_inputs = {node.name: list(node.input) for node in model.graph.node}
+        built = Built(
+            quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason
         )
-    train_seconds = time.perf_counter() - started
-    train_cpu_seconds = time.process_time() - cpu_started
-    if not group.primary:
+        files = {
+            "float_model": str(recipe.float_model_path),
+            "quantized_model": str(recipe.quant_model_path),
+            "stats": str(calibration.path),
+        }
+        finished = verify_and_report(
+            built,
+            prepared.model,
+            recipe.quant_model_path,
+            settings.report_header(recipe),
+            feeds,
+            files,
+            settings.settings_sha256(recipe),
+            calibration.data_sha256,
+        )
+        source = finished.source
+        with phase("checking the export against the fake-quant model"):
+            reference = export.torch_outputs(fake, check_feeds, names)
+            unfused = export.ort_outputs(source, check_feeds, fused=False)
+            fused = export.ort_outputs(source, check_feeds, fused=True)
+        equivalence = {
+            "data": "evaluation" if eval_feeds else "training",
+            "samples": int(sum(len(next(iter(f.values()))) for f in check_feeds)),
+            "output_step": export.output_step(reference),
+            "max_abs_diff_unfused": export.max_difference(reference, unfused),
+            "max_abs_diff_fused": export.max_difference(reference, fused),
+        }
+        if eval_labels is not None:
+            accuracy["fake_quant_after"] = export.accuracy(reference, eval_labels)
+            accuracy["exported_unfused"] = export.accuracy(unfused, eval_labels)
+            accuracy["exported_fused"] = export.accuracy(fused, eval_labels)
+        report = finished.report
+        report["qat"] = {
+            "epochs": history.epochs_done,
+            "resumed_after_epoch": history.resumed_from,
+            "loss": loss_name,
+            "epoch_losses": history.losses,
+            "final_loss": history.losses[-1] if history.losses else None,
+            "optimizer": qat.optimizer,
+            "lr": qat.lr,
+            "batch_size": qat.batch_size,
+            "seed": seed,
+            "training_samples": len(data),
+            "learn_scales": qat.learn_scales,
+            "learned_weight_scales": sorted(learned),
+            "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
+            "fake_quant_tensors": len(sites),
+            "frozen_unused_parameters": unused,
+            "fake_quant_weights": len(layout.weights),
+            # inputs quantized per block as MatMulNBits' int8 compute (accuracy level 4) does
+            "int8_compute_inputs": sorted(int8_inputs),
+            "processes": group.world,
+            "global_batch_size": qat.batch_size * group.world,
+            "train_seconds": round(train_seconds, 3),
+            "train_cpu_seconds_rank0": round(train_cpu_seconds, 3),
+            "accuracy": accuracy,
+            "equivalence": equivalence,
+            "activation_scales_changed": sum(
+                1 for t in activations if activations[t].scale != calibrated[t].scale
+            ),
+        }
+        commit_files(
+            {**calibration.files, **finished.files, recipe.report_path: report_bytes(report)}
+        )
         group.barrier("waiting for rank 0 to write the QAT model")
-        return None
-
-    with phase("writing the QAT model"):
-        trained, _ = initializer_state(fake.float_state(), ties, initializers)
-        trained_model = export.with_trained_weights(model, trained)
-        activations = fake.activation_params()
-        weights = weight_parameters(trained_model, layout, recipe.quantization, cpu, device)
-        by_parameter = {tie.parameter: name for name, tie in ties.items()}
-        weights.update({by_parameter[p]: w for p, w in fake.learned_weights().items()})
-        plans = layout.plan.weight_plans()
-        for name in learned:
-            plans[name].reason += " (scales learned by QAT, LSQ)"
-        biases = bias_parameters(trained_model, layout, activations, weights)
-        quantized = write_qdq_model(
-            trained_model, layout, activations, weights, biases, recipe.quantization.target, nbits
-        )
-    node_inputs = {node.name: list(node.input) for node in model.graph.node}
-    built = Built(quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason)
-    files = {
-        "float_model": str(recipe.float_model_path),
-        "quantized_model": str(recipe.quant_model_path),
-        "stats": str(calibration.path),
-    }
-    finished = verify_and_report(
-        built,
-        prepared.model,
-        recipe.quant_model_path,
-        settings.report_header(recipe),
-        feeds,
-        files,
-        settings.settings_sha256(recipe),
-        calibration.data_sha256,
-    )
-    source = finished.source
-    with phase("checking the export against the fake-quant model"):
-        reference = export.torch_outputs(fake, check_feeds, names)
-        unfused = export.ort_outputs(source, check_feeds, fused=False)
-        fused = export.ort_outputs(source, check_feeds, fused=True)
-    equivalence = {
-        "data": "evaluation" if eval_feeds else "training",
-        "samples": int(sum(len(next(iter(f.values()))) for f in check_feeds)),
-        "output_step": export.output_step(reference),
-        "max_abs_diff_unfused": export.max_difference(reference, unfused),
-        "max_abs_diff_fused": export.max_difference(reference, fused),
-    }
-    if eval_labels is not None:
-        accuracy["fake_quant_after"] = export.accuracy(reference, eval_labels)
-        accuracy["exported_unfused"] = export.accuracy(unfused, eval_labels)
-        accuracy["exported_fused"] = export.accuracy(fused, eval_labels)
-    report = finished.report
-    report["qat"] = {
-        "epochs": history.epochs_done,
-        "resumed_after_epoch": history.resumed_from,
-        "loss": loss_name,
-        "epoch_losses": history.losses,
-        "final_loss": history.losses[-1] if history.losses else None,
-        "optimizer": qat.optimizer,
-        "lr": qat.lr,
-        "batch_size": qat.batch_size,
-        "seed": seed,
-        "training_samples": len(data),
-        "learn_scales": qat.learn_scales,
-        "learned_weight_scales": sorted(learned),
-        "batchnorm_folded": [{"conv": c, "batchnorm": b} for c, b in folded],
-        "fake_quant_tensors": len(sites),
-        "frozen_unused_parameters": unused,
-        "fake_quant_weights": len(layout.weights),
-        # inputs quantized per block as MatMulNBits' int8 compute (accuracy level 4) does
-        "int8_compute_inputs": sorted(int8_inputs),
-        "processes": group.world,
-        "global_batch_size": qat.batch_size * group.world,
-        "train_seconds": round(train_seconds, 3),
-        "train_cpu_seconds_rank0": round(train_cpu_seconds, 3),
-        "accuracy": accuracy,
-        "equivalence": equivalence,
-        "activation_scales_changed": sum(
-            1 for t in activations if activations[t].scale != calibrated[t].scale
-        ),
-    }
-    commit_files({**calibration.files, **finished.files, recipe.report_path: report_bytes(report)})
-    group.barrier("waiting for rank 0 to write the QAT model")
-    return QatResult(recipe.quant_model_path, recipe.report_path, report, finished.warnings)
+        return QatResult(recipe.quant_model_path, recipe.report_path, report, finished.warnings)
+    finally:
+        prepared.model.discard()  # a staged float model never outlives the run
