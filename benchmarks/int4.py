@@ -384,7 +384,7 @@ def _measure(args: argparse.Namespace) -> None:
     """
     import numpy as np
 
-    from qtool.metrics.evaluate import _Fidelity
+    from qtool.metrics.signal import SignalQuality
     from qtool.ort.sessions import create_session
     from qtool.runtime.fusion import optimized_graph
 
@@ -422,11 +422,10 @@ def _measure(args: argparse.Namespace) -> None:
         if reference is None:
             reference = outputs
         else:
-            fidelity = _Fidelity()
+            quality = SignalQuality(cosine="rows")
             for ref, got in zip(reference, outputs, strict=True):
-                fidelity.update(ref, got, None)
-            metrics = fidelity.metrics(labelled=False)
-            entry.update(cosine=metrics.cosine, sqnr_db=metrics.sqnr_db, samples=fidelity.samples)
+                quality.update(ref, got)
+            entry.update(cosine=quality.cosine(), sqnr_db=quality.sqnr_db(), samples=quality.rows)
         results[tag] = entry
         if tag in spec["latency_models"]:
             sessions[tag] = session  # ORT's default threads, reused for that latency setting

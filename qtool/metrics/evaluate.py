@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from qtool.errors import DataError, ModelError
+from qtool.metrics.signal import SignalQuality
 from qtool.model import provenance
 from qtool.ort.accuracy_level import (
     ACCURACY_LEVEL_KEY,
@@ -39,7 +40,6 @@ from qtool.ort.accuracy_level import (
 )
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import create_session
-from qtool.runtime.fusion import SignalNoise
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import (
     LowBitUsage,
@@ -479,50 +479,25 @@ def _output_names(
 # Metrics
 
 
-class Fidelity(SignalNoise):
-    """Streaming accumulators for one output of one variant, so memory stays flat."""
+class Fidelity(SignalQuality):
+    """qtool.metrics.signal's accumulator for one output of one variant, plus label accuracy."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.cosine_sum = 0.0
-        self.samples = 0
-        self.agree = 0
-        self.predictions = 0
+        super().__init__(cosine="rows", top1=True)
         self.correct = 0
+
+    @property
+    def samples(self) -> int:
+        return self.rows
 
     def update(self, ref: np.ndarray, quant: np.ndarray, labels: np.ndarray | None) -> None:
         super().update(ref, quant)
-        ref64 = ref.astype(np.float64)
-        q64 = quant.astype(np.float64)
-
-        n = ref64.shape[0] if ref64.ndim else 1
-        self.cosine_sum += float(np.sum(_cosine_rows(ref64.reshape(n, -1), q64.reshape(n, -1))))
-        self.samples += n
-
-        if ref.ndim >= 2:
-            top_ref = np.argmax(ref, axis=-1)
-            top_q = np.argmax(quant, axis=-1)
-            self.agree += int(np.count_nonzero(top_ref == top_q))
-            self.predictions += top_ref.size
-            if labels is not None:
-                self.correct += int(np.count_nonzero(top_q == labels))
+        if labels is not None and ref.ndim >= 2:
+            self.correct += int(np.count_nonzero(np.argmax(quant, axis=-1) == labels))
 
     def metrics(self, labelled: bool) -> VariantMetrics:
-        agreement = self.agree / self.predictions if self.predictions else None
         accuracy = self.correct / self.predictions if labelled and self.predictions else None
-        return VariantMetrics(
-            self.sqnr_db(), self.cosine_sum / max(self.samples, 1), agreement, accuracy
-        )
-
-
-def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine; two all-zero rows are identical (1), one all-zero row is orthogonal (0)."""
-    dot = np.sum(a * b, axis=1)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), 0.0)
-    return np.where(both_zero, 1.0, cos)
+        return VariantMetrics(self.sqnr_db(), self.cosine(), self.agreement(), accuracy)
 
 
 def _read_proto(path: Path) -> onnx.ModelProto:
