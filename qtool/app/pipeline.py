@@ -42,7 +42,6 @@ from qtool.data.batches import count_samples_hint, iter_batches
 from qtool.distributed import Group, Shard
 from qtool.errors import CalibrationError, ModelError, QtoolError
 from qtool.io import Staged, commit_files, stage
-from qtool.metrics.evaluate import EvalResult, evaluate_models
 from qtool.model import external_data, provenance
 from qtool.model.load import load_model
 from qtool.model.opset21 import TARGET_OPSET
@@ -596,12 +595,3 @@ def verify_feeds(recipe: Recipe) -> list[dict]:
     limit = min(VERIFY_SAMPLES, spec.max_samples or VERIFY_SAMPLES)
     batch = min(spec.batch_size, limit)
     return [b.inputs for b in iter_batches(spec.data, recipe.inputs, batch, limit, recipe.seed)]
-
-
-def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:
-    """Evaluate recipe-style batches (qtool.data.batches.Batch); `options` go to evaluate_models."""
-    for path in (fp32_path, quant_path):
-        if not Path(path).is_file():
-            raise ModelError(f"{path}: model file not found (run `qtool quantize` first)")
-    pairs = ((batch.inputs, batch.labels) for batch in batches)
-    return evaluate_models(Path(fp32_path), Path(quant_path), pairs, **options)
