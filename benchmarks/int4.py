@@ -9,7 +9,7 @@ benchmark encoder of calibration.py), all from the same FP32 graph (the `model.f
   `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer` with its default
   (round-to-nearest) config, HQQ, and GPTQ;
 - columns: output cosine (and SQNR) to FP32 on the evaluation rows, computed as `qtool evaluate`
-  computes it (qtool.metrics.evaluate's accumulator); file size; quantize wall time, CPU seconds
+  computes it (qtool.metrics.signal.SignalQuality); file size; quantize wall time, CPU seconds
   and peak
   RSS (each quantizer in its own process, benchmarks/_measure.run_measured); the MatMulNBits
   accuracy level ORT actually runs; latency at batch 1 and 8, one thread and ORT's default
