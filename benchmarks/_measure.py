@@ -178,6 +178,8 @@ def _latency(args: argparse.Namespace) -> None:
     import numpy as np
     import onnxruntime as ort
 
+    from qtool.metrics.signal import SignalQuality
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = args.threads
     opts.inter_op_num_threads = 1
@@ -217,10 +219,10 @@ def _latency(args: argparse.Namespace) -> None:
             threads=args.threads,
         )
         if want is not None and tag != ref_tag:
-            got, ref = outputs[tag].astype(np.float64), want.astype(np.float64)
-            err = float(np.sum((got - ref) ** 2))
-            r["cosine_vs_fp32"] = float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref)))
-            r["sqnr_db_vs_fp32"] = float(10 * np.log10(np.sum(ref**2) / err)) if err else None
+            quality = SignalQuality(cosine="global")  # one cosine of all flattened outputs
+            quality.update(want, outputs[tag])
+            r["cosine_vs_fp32"] = quality.cosine()
+            r["sqnr_db_vs_fp32"] = quality.sqnr_db() if quality.noise else None
             r["fidelity_samples"] = len(feed)
     Path(args.json).write_text(json.dumps(results))
 

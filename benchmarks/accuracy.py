@@ -42,7 +42,9 @@ from qtool.app.quantize import quantize
 from qtool.config.recipe import Recipe, load_recipe, read_algorithms
 from qtool.data.batches import Batch, iter_batches
 from qtool.errors import RecipeError
-from qtool.metrics.evaluate import VARIANTS, EvalResult, evaluate_models, json_float
+from qtool.metrics.evaluate import evaluate_models
+from qtool.metrics.results import VARIANTS, EvalResult
+from qtool.metrics.signal import json_float
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

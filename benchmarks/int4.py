@@ -9,7 +9,7 @@ benchmark encoder of calibration.py), all from the same FP32 graph (the `model.f
   `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer` with its default
   (round-to-nearest) config, HQQ, and GPTQ;
 - columns: output cosine (and SQNR) to FP32 on the evaluation rows, computed as `qtool evaluate`
-  computes it (qtool.metrics.evaluate's accumulator); file size; quantize wall time, CPU seconds
+  computes it (qtool.metrics.signal.SignalQuality); file size; quantize wall time, CPU seconds
   and peak
   RSS (each quantizer in its own process, benchmarks/_measure.run_measured); the MatMulNBits
   accuracy level ORT actually runs; latency at batch 1 and 8, one thread and ORT's default
@@ -384,7 +384,7 @@ def _measure(args: argparse.Namespace) -> None:
     """
     import numpy as np
 
-    from qtool.metrics.evaluate import Fidelity
+    from qtool.metrics.signal import SignalQuality
     from qtool.ort.sessions import create_session
     from qtool.runtime.fusion import optimized_graph
 
@@ -422,11 +422,10 @@ def _measure(args: argparse.Namespace) -> None:
         if reference is None:
             reference = outputs
         else:
-            fidelity = Fidelity()
+            quality = SignalQuality(cosine="rows")
             for ref, got in zip(reference, outputs, strict=True):
-                fidelity.update(ref, got, None)
-            metrics = fidelity.metrics(labelled=False)
-            entry.update(cosine=metrics.cosine, sqnr_db=metrics.sqnr_db, samples=fidelity.samples)
+                quality.update(ref, got)
+            entry.update(cosine=quality.cosine(), sqnr_db=quality.sqnr_db(), samples=quality.rows)
         results[tag] = entry
         if tag in spec["latency_models"]:
             sessions[tag] = session  # ORT's default threads, reused for that latency setting

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -365,7 +364,8 @@ def evaluate(
         typer.Option(
             "--metric",
             help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32). "
-            "Default: accuracy with labels, else agreement.",
+            "Default: accuracy with labels, else agreement, which is refused on an output that "
+            "is not class scores unless named here.",
         ),
     ] = None,
     max_drop: Annotated[
@@ -412,158 +412,61 @@ def evaluate(
             "(ORT's default). Overrides evaluation.accuracy_level.",
         ),
     ] = None,
+    rows: Annotated[
+        str | None,
+        typer.Option(
+            "--rows",
+            help="Metric rows of every output, comma-separated: accuracy, top1, sqnr, cosine. "
+            "Default: by output kind (top1 for class scores; sqnr and cosine for embeddings "
+            "and other dense outputs). Overrides evaluation.rows.",
+        ),
+    ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Compare the float and quantized models on every output, fused (as ONNX Runtime runs it)
-    and unfused (QDQ semantics): accuracy, top-1 agreement, SQNR, cosine, latency, size.
+    and unfused (QDQ semantics): accuracy, top-1 agreement (class scores), SQNR, cosine, the fused
+    model against its own QDQ semantics, latency, size.
 
     Gates (--max-drop, --min-cosine, --min-sqnr) are judged on the fused model, and any failed
     gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
-    nothing there.
+    nothing there, and a --max-drop that would count it is refused (exit 2).
     """
-    from qtool.app.evaluate import evaluate as run_evaluate
-    from qtool.errors import RecipeError
-    from qtool.io import atomic_write_bytes, atomic_write_text
-    from qtool.metrics.evaluate import low_bit_notes, render_table
-    from qtool.metrics.gates import Gates, judge_gates, junit_xml
-    from qtool.metrics.spec import GATE_METRICS, gate_problem
+    from qtool.app.evaluate import EvaluateOptions
+    from qtool.app.evaluate import run as run_evaluation
+    from qtool.metrics.tables import fused_unfused_notes, kind_notes, low_bit_notes, render_table
 
-    flags = {"max_drop": max_drop, "min_cosine": min_cosine, "min_sqnr": min_sqnr}
-    for key, value in flags.items():
-        problem = None if value is None else gate_problem(key, value)
-        if problem is not None:
-            raise RecipeError(f"--{key.replace('_', '-')}: {problem}")
-    if metric is not None and metric not in GATE_METRICS:
-        raise RecipeError(f"--metric: must be one of {', '.join(GATE_METRICS)}, got {metric!r}")
-
-    if recipe is not None:
-        if fp32 is not None or quant is not None or data is not None:
-            raise RecipeError("evaluate takes a RECIPE or --fp32/--quant/--data, not both")
-        fp32_path, quant_path, batches, spec = _recipe_evaluation(recipe, output_dir)
-    else:
-        if fp32 is None or quant is None or data is None:
-            raise RecipeError("evaluate needs a RECIPE, or all of --fp32, --quant and --data")
-        fp32_path, quant_path = fp32, quant
-        batches = _npz_batches(fp32, data, batch_size)
-        spec = None  # no recipe: only the options set gates
-
-    def choose(key: str, flag_value):
-        """The option when given (it overrides the recipe), else the recipe's value; with where
-        it came from, for error messages."""
-        if flag_value is not None or spec is None:
-            return flag_value, f"--{key.replace('_', '-')}"
-        return getattr(spec, key), f"{recipe}: evaluation.{key}"
-
-    chosen_output, output_where = choose("output", output)
-    chosen_metric, metric_where = choose("metric", metric)
-    gates = Gates(
-        metric=chosen_metric,
-        max_drop=choose("max_drop", max_drop)[0],
-        min_cosine=choose("min_cosine", min_cosine)[0],
-        min_sqnr=choose("min_sqnr", min_sqnr)[0],
-    )
-    result = run_evaluate(
-        fp32_path,
-        quant_path,
-        batches,
-        output=chosen_output,
-        output_where=output_where,
-        labels_required_by=_accuracy_source(metric_where) if chosen_metric == "accuracy" else None,
+    options = EvaluateOptions(
+        output=output,
+        metric=metric,
+        max_drop=max_drop,
+        min_cosine=min_cosine,
+        min_sqnr=min_sqnr,
+        rows=rows,
+        accuracy_level=accuracy_level,
         allow_foreign_fp32=allow_foreign_fp32,
         threads=threads,
         latency_runs=latency_runs,
         progress=progress,
-        accuracy_level=choose("accuracy_level", accuracy_level)[0],
+        json_path=json_path,
+        junit_path=junit_path,
     )
-    judged = judge_gates(result, gates)
+    evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
+    result = evaluation.result
     console.print(render_table(result))
-    for note in low_bit_notes(result):
-        console.print(note, highlight=False)
+    for note in [*kind_notes(result), *fused_unfused_notes(result), *low_bit_notes(result)]:
+        console.print(note, highlight=False, markup=False)
     for warning in result.warnings:
         errors.print(
             f"[bold yellow]warning:[/] {escape(warning.message)}", highlight=False, soft_wrap=True
         )
-    if json_path is not None:
-        text = json.dumps(result.to_dict(judged), indent=2, allow_nan=False) + "\n"
-        atomic_write_text(json_path, text)
-    if junit_path is not None:
-        atomic_write_bytes(junit_path, junit_xml(result, judged))
-    for gate in judged:
+    for gate in evaluation.gates:
         if gate.passed:
             console.print(f"PASS: {gate.describe()}", highlight=False, markup=False)
         else:
             errors.print(f"[bold red]FAIL:[/] {escape(gate.describe())}", highlight=False)
-    if any(not gate.passed for gate in judged):
+    if not evaluation.passed:
         raise typer.Exit(code=1)
-
-
-def _accuracy_source(where: str) -> str:
-    """'--metric accuracy' or 'recipe.yaml: evaluation.metric: accuracy', as the user wrote it."""
-    return f"{where} accuracy" if where.startswith("--") else f"{where}: accuracy"
-
-
-def _recipe_evaluation(recipe: Path, output_dir: Path | None):
-    """The recipe's float and quantized model paths, its evaluation batches and gate settings."""
-    from qtool.config.recipe import load_recipe
-    from qtool.data.batches import iter_batches
-    from qtool.errors import RecipeError
-
-    loaded = load_recipe(recipe, output_dir)
-    if loaded.evaluation is None:
-        raise RecipeError(f"{recipe}: evaluation: is required for `qtool evaluate RECIPE`")
-    spec = loaded.evaluation
-    batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
-    return loaded.float_model_path, _quantized_path(loaded), batches, spec
-
-
-def _quantized_path(recipe) -> Path:
-    """The recipe's quantized model; after `quantize --auto`, the one report.json names (the
-    chosen plan decides int4 or int8, or model.failed.onnx), in the recipe's output folder."""
-    if recipe.report_path.is_file():
-        try:
-            report = json.loads(recipe.report_path.read_text())
-        except (OSError, ValueError):
-            return recipe.quant_model_path
-        written = report.get("files", {}).get("quantized_model")
-        if "mixed_precision" in report and isinstance(written, str):
-            return recipe.output_dir / Path(written).name
-    return recipe.quant_model_path
-
-
-def _npz_batches(model_path: Path, data: Path, batch_size: int):
-    """Batches from an .npz keyed by the model's input names; the model declares the inputs.
-
-    Symbolic dims (`[N, 3, H, W]`) stay symbolic, so data of any size along them is accepted
-    (ORT checks it fits the graph), and a mismatch names the model file and its declared shape.
-    """
-    import onnx
-
-    from qtool.data.batches import iter_batches
-    from qtool.data.spec import DataSpec, InputSpec
-    from qtool.errors import DataError, ModelError
-
-    if not model_path.is_file():
-        raise ModelError(f"{model_path}: model file not found")
-    if not data.is_file():
-        raise DataError(f"{data}: data file not found")
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError and others for a corrupt file
-        raise ModelError(f"{model_path}: not a readable ONNX model ({exc})") from None
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = []
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        dims = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-            for d in value.type.tensor_type.shape.dim
-        )
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
-        inputs.append(InputSpec(value.name, dims, dtype))
-    spec = DataSpec(f"--data {data}", npz=data)
-    return iter_batches(spec, tuple(inputs), batch_size, shapes_from=f"{model_path}")
 
 
 @app.command(cls=_Command)

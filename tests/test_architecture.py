@@ -17,7 +17,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qtool"
 # Lower layers never import higher ones (docs/architecture.md, "Layers"). Modules at the top of
 # the package (errors, io, phases, kernels, distributed) are utilities under all.
 LAYERS = [
-    {"qtool.errors", "qtool.io", "qtool.phases", "qtool.kernels", "qtool.zip_members"},
+    # qtool.metrics.signal (numpy only) is the one signal-quality accumulator every layer uses.
+    {
+        "qtool.errors",
+        "qtool.io",
+        "qtool.phases",
+        "qtool.kernels",
+        "qtool.zip_members",
+        "qtool.metrics.signal",
+    },
     {"qtool.distributed", "qtool.ort"},
     {"qtool.data", "qtool.model"},
     {"qtool.plan"},

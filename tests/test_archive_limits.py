@@ -355,9 +355,8 @@ def test_stats_bins_beyond_the_recipe_maximum_are_refused(calibrated: Path, tmp_
 
 
 def _hessian_file(path: Path) -> str:
-    from qtool.calibration.hessians import HessianAccumulator
-
     from qtool.calibration.hessian_file import save_hessians
+    from qtool.calibration.hessians import HessianAccumulator
 
     accumulator = HessianAccumulator(6)
     accumulator.update(np.random.default_rng(0).standard_normal((10, 6)))
@@ -460,9 +459,8 @@ def test_data_zip_bomb_costs_only_the_rows_asked_for(tmp_path: Path) -> None:
 
 
 def test_npy_labels_claiming_1e12_values_are_refused(tmp_path: Path) -> None:
-    from qtool.data.spec import DataSpec
-
     from qtool.data.batches import iter_batches
+    from qtool.data.spec import DataSpec
 
     np.save(tmp_path / "x.npy", np.zeros((8, 4), np.float32))
     (tmp_path / "labels.npy").write_bytes(npy_header((10**12,)) + bytes(64))

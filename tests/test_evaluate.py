@@ -20,18 +20,23 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from rich.console import Console
 
-from qtool.errors import DataError, ModelError
-from qtool.metrics.evaluate import (
+from qtool.config.recipe import load_recipe
+from qtool.errors import DataError, ModelError, RecipeError
+from qtool.metrics.evaluate import evaluate_models
+from qtool.metrics.fusion_gap import fused_gap_warning
+from qtool.metrics.gates import Gates, judge_gates
+from qtool.metrics.junit import junit_xml
+from qtool.metrics.kinds import KindEvidence
+from qtool.metrics.results import (
     EvalResult,
+    FusedVsUnfused,
     ModelMetrics,
     OutputResult,
     VariantMetrics,
-    evaluate_models,
-    fused_gap_warning,
-    render_table,
 )
-from qtool.metrics.gates import Gates, judge_gates, junit_xml
+from qtool.metrics.signal import format_db
 from qtool.metrics.spec import gate_problem
+from qtool.metrics.tables import fused_unfused_notes, render_table
 from qtool.model import provenance
 from qtool.ort.cpu import detect_cpu, resolve_cpu
 from qtool.ort.sessions import create_session
@@ -661,6 +666,9 @@ def test_cli_each_gate_passes_or_fails_separately(cli, two_outputs, tmp_path):
     junit = tmp_path / "gates.xml"
     floor = two_outputs["sqnr"]["a"] + 50  # unreachable
     args = [*two_outputs["args"], "--max-drop", "100", "--min-sqnr", f"{floor:.1f}"]
+    # Random Gemm outputs are no class scores (metrics/kinds.py): agreement must be named to be
+    # gated (without --metric the drop gate is refused, test_cli_agreement_gate_on_dense_output).
+    args += ["--metric", "agreement"]
     result = cli(*args, "--min-cosine", "-1", "--junit", junit, "--no-progress")
     assert result.exit_code == 1, result.output
     assert result.stdout.count("PASS:") == 2 and result.stderr.count("FAIL:") == 1
@@ -841,6 +849,265 @@ def test_render_table_without_labels_says_na():
     assert "90.00%" in lines["top-1 agreement"] and "-10.00 pts" in lines["top-1 agreement"]
     assert "inf" in lines["SQNR dB"]
     assert "0.99000" in lines["cosine"]
+
+
+# ------------------------------------------------------------------------------ output kinds
+
+
+def _embedding_models(folder: Path) -> tuple[Path, Path, np.ndarray]:
+    """A MiniLM-like output: x [N, 16] -> MatMul -> L2 normalisation -> [N, 24], unit rows; the
+    quantized model takes the weight through int8 QDQ. Agreement over such an output flips on
+    near-equal values although the embedding barely moves."""
+    rng = np.random.default_rng(11)
+    proj = rng.normal(size=(FEATURES, 24)).astype(np.float32)
+
+    def model(scale: float | None) -> onnx.ModelProto:
+        x = helper.make_tensor_value_info("tokens", TensorProto.FLOAT, ["N", FEATURES])
+        y = helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 24])
+        nodes: list = []
+        inits: list = []
+        weight = _qdq_weight("P", proj, scale, nodes, inits)
+        nodes += [
+            helper.make_node("MatMul", ["tokens", weight], ["pooled"]),
+            helper.make_node("LpNormalization", ["pooled"], ["embedding"], axis=-1, p=2),
+        ]
+        return _make_model(helper.make_graph(nodes, "emb", [x], [y], inits))
+
+    fp32 = _save(model(None), folder / "emb.onnx")
+    quant = _save(model(float(np.abs(proj).max() / 15)), folder / "emb_q.onnx")
+    return fp32, quant, rng.normal(size=(60, FEATURES)).astype(np.float32)
+
+
+def _softmax_models(folder: Path, setup) -> tuple[Path, Path]:
+    """The fixture's Gemm classifier with a Softmax: rows of probabilities, no labels needed."""
+    paths = []
+    for name, scale in (("cls", None), ("cls_q", float(np.abs(setup["weight"]).max() / 7))):
+        model = _gemm_model(setup["weight"], setup["bias"], qdq_scale=scale)
+        model.graph.node[-1].output[0] = "z"
+        model.graph.node.append(helper.make_node("Softmax", ["z"], ["logits"], axis=-1))
+        paths.append(_save(model, folder / f"{name}.onnx"))
+    return paths[0], paths[1]
+
+
+def test_embedding_output_gets_no_top1_row_by_default(tmp_path):
+    fp32, quant, x = _embedding_models(tmp_path)
+    result = evaluate_models(fp32, quant, [({"tokens": x}, None)], latency_runs=1, progress=False)
+    (out,) = result.outputs
+    assert out.kind == "dense" and "unit L2 norm" in out.kind_evidence
+    assert out.rows == ("sqnr", "cosine")
+    assert out.fused.agreement is not None  # still measured (and in the JSON) ...
+    lines = _rows(_table_text(result))
+    assert (
+        "top-1 agreement" not in lines and "SQNR dB" in lines and "cosine" in lines
+    )  # ... not shown
+    assert result.to_dict()["outputs"][0]["kind"] == "dense"
+
+    asked = evaluate_models(
+        fp32, quant, [({"tokens": x}, None)], latency_runs=1, progress=False, rows=("top1",)
+    )
+    assert asked.outputs[0].rows == ("top1",)
+    assert list(_rows(_table_text(asked))) == [
+        "top-1 agreement",
+        "latency median",
+        "latency p90",
+        "file size",
+    ]
+
+
+def test_classifier_outputs_get_top1_rows(setup, tmp_path):
+    labelled = evaluate_models(
+        setup["fp32"], setup["quant"], _batches(setup), latency_runs=1, progress=False
+    )
+    (out,) = labelled.outputs
+    assert (out.kind, out.kind_evidence) == ("class_scores", "labels are given for it")
+    assert out.rows == ("accuracy", "top1", "sqnr", "cosine")
+    assert {"accuracy", "top-1 agreement"} <= set(_rows(_table_text(labelled)))
+
+    fp32, quant = _softmax_models(tmp_path, setup)
+    unlabelled = evaluate_models(
+        fp32, quant, _batches(setup, with_labels=False), latency_runs=1, progress=False
+    )
+    (out,) = unlabelled.outputs
+    assert out.kind == "class_scores" and "probabilities" in out.kind_evidence
+    assert out.rows == ("top1", "sqnr", "cosine")
+    assert "top-1 agreement" in _rows(_table_text(unlabelled))
+
+
+@pytest.mark.parametrize(
+    ("values", "kind", "evidence"),
+    [
+        # a confident classifier's logits: one value far above the rest of its row
+        (
+            np.eye(6)[np.arange(40) % 6] * 12 + np.random.default_rng(0).normal(size=(40, 6)),
+            "class_scores",
+            "stands out",
+        ),
+        (np.random.default_rng(1).normal(size=(40, 300)), "dense", "no value stands out"),
+        (np.random.default_rng(2).normal(size=(4, 30, 6)), "dense", "[N, 30, 6]"),
+        (np.random.default_rng(3).normal(size=(40, 2)), "dense", "two raw columns"),
+        (np.random.default_rng(4).normal(size=(40, 1)), "dense", "one column"),
+    ],
+)
+def test_output_kind_rule(values, kind, evidence):
+    gathered = KindEvidence()
+    for part in np.array_split(values.astype(np.float32), 3):
+        gathered.update(part)
+    decided = gathered.decide(labelled=False)
+    assert decided.kind == kind and evidence in decided.evidence, decided
+
+
+def test_cli_agreement_gate_on_dense_output_is_refused_unless_named(cli, tmp_path):
+    fp32, quant, x = _embedding_models(tmp_path)
+    np.savez(tmp_path / "x.npz", tokens=x)
+    args = ["evaluate", "--fp32", fp32, "--quant", quant, "--data", tmp_path / "x.npz"]
+    args += ["--latency-runs", "1", "--no-progress"]
+    refused = cli(*args, "--max-drop", "1")
+    assert refused.exit_code == 2, refused.output
+    message = refused.stderr
+    assert "--max-drop: output 'embedding' is not class scores" in message
+    assert "--min-cosine" in message and "--metric agreement" in message
+    named = cli(*args, "--max-drop", "100", "--metric", "agreement")
+    assert named.exit_code == 0, named.output
+    assert "PASS: output 'embedding': agreement dropped" in named.stdout
+    floor = cli(*args, "--min-cosine", "0.5", "--rows", "top1,cosine")
+    assert floor.exit_code == 0, floor.output
+    assert "top-1 agreement" in floor.stdout and "SQNR dB" not in floor.stdout
+    line = _error_line(cli(*args, "--rows", "top1,top5"))
+    assert "--rows" in line and "'top5'" in line
+    line = _error_line(cli(*args, "--rows", "accuracy"))
+    assert "--rows accuracy needs labels" in line
+
+
+def test_recipe_rows_are_read_and_validated(tmp_path):
+    recipe = {
+        "model": {"onnx": "m.onnx"},
+        "inputs": {"x": [1, FEATURES]},
+        "calibration": {"data": {"synthetic": True}},
+        "evaluation": {"data": {"synthetic": True}, "rows": ["cosine", "top1"]},
+    }
+    _save(
+        _gemm_model(np.ones((CLASSES, FEATURES), np.float32), np.zeros(CLASSES, np.float32)),
+        tmp_path / "m.onnx",
+    )
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert load_recipe(path).evaluation.rows == ("cosine", "top1")
+    recipe["evaluation"]["rows"] = ["agreement"]
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=r"evaluation\.rows: must be among .*'agreement'"):
+        load_recipe(path)
+
+
+# ------------------------------------------------------------------------------ speed
+
+
+def test_a_slowdown_prints_as_slower():
+    result = _result(VariantMetrics(30.0, 0.99, 0.97), VariantMetrics(31.0, 0.99, 0.97))
+    result.fp32.latency_ms_median, result.quant.latency_ms_median = 1.0, 2.44
+    lines = _rows(_table_text(result))
+    assert "2.44x slower" in lines["latency median"] and "speed-up" not in lines["latency median"]
+    assert "1.50x faster" in lines["latency p90"]  # 3.0 ms FP32, 2.0 ms quantized
+    latency = result.to_dict()["latency"]
+    assert latency["fp32_over_quant_median"] == pytest.approx(1.0 / 2.44)
+    assert latency["quant_is"] == "slower" and "speedup" not in latency
+
+
+# ------------------------------------------------------------------------------ fused vs unfused
+
+
+def _integer_to_float_model(folder: Path) -> tuple[Path, Path, np.ndarray]:
+    """x -> QDQ (uint8) -> MatMul with an int8 QDQ weight -> float y [N, 10]: ORT fuses it into
+    MatMulIntegerToFloat (int32 products, one float scale), which rounds differently from the
+    float MatMul of the unfused graph on every CPU, so fused and unfused really differ."""
+    k, m = 64, 10
+    rng = np.random.default_rng(8)
+    w_q = rng.integers(-127, 128, size=(k, m)).astype(np.int8)
+    w_scale, x_scale = np.float32(0.0123), np.float32(1 / 255)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", m])
+    weight = w_q.astype(np.float32) * w_scale
+    fp32 = _make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "W"], ["y"])],
+            "fp32",
+            [x],
+            [y],
+            [numpy_helper.from_array(weight, "W")],
+        )
+    )
+    inits = [
+        numpy_helper.from_array(w_q, "Wq"),
+        numpy_helper.from_array(w_scale, "sw"),
+        numpy_helper.from_array(np.int8(0), "zw"),
+        numpy_helper.from_array(x_scale, "sx"),
+        numpy_helper.from_array(np.uint8(0), "zx"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["Wq", "sw", "zw"], ["Wd"]),
+        helper.make_node("MatMul", ["xd", "Wd"], ["y"]),
+    ]
+    quant = _make_model(helper.make_graph(nodes, "qdq", [x], [y], inits))
+    data = rng.uniform(0, 1, size=(40, k)).astype(np.float32)
+    return _save(fp32, folder / "fp32.onnx"), _save(quant, folder / "quant.onnx"), data
+
+
+def test_fused_vs_unfused_is_computed_from_the_two_variants(cli, tmp_path):
+    fp32, quant, x = _integer_to_float_model(tmp_path)
+    levels = onnxruntime.GraphOptimizationLevel
+    runs = {}
+    for name, level in (("fused", levels.ORT_ENABLE_ALL), ("unfused", levels.ORT_DISABLE_ALL)):
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = level
+        session = onnxruntime.InferenceSession(
+            str(quant), options, providers=["CPUExecutionProvider"]
+        )
+        runs[name] = session.run(None, {"x": x})[0].astype(np.float64)
+    fused, unfused = runs["fused"], runs["unfused"]
+    noise = np.sum((unfused - fused) ** 2)
+    expected = math.inf if noise == 0 else 10 * math.log10(np.sum(unfused**2) / noise)
+    changed = int(np.sum(np.argmax(fused, 1) != np.argmax(unfused, 1)))
+
+    result = evaluate_models(fp32, quant, [({"x": x}, None)], latency_runs=1, progress=False)
+    gap = result.outputs[0].fused_vs_unfused
+    assert gap is not None and gap.predictions == len(x)
+    assert gap.sqnr_db == pytest.approx(expected, abs=1e-9) and gap.top1_changed == changed
+    assert result.to_dict()["outputs"][0]["fused_vs_unfused"]["top1_changed"] == changed
+
+    np.savez(tmp_path / "x.npz", x=x)
+    args = ["evaluate", "--fp32", fp32, "--quant", quant, "--data", tmp_path / "x.npz"]
+    printed = cli(*args, "--latency-runs", "1", "--no-progress", "--rows", "top1,sqnr")
+    assert printed.exit_code == 0, printed.output
+    text = " ".join(printed.stdout.split())
+    assert f"fused vs unfused, output 'y': SQNR {format_db(expected)} dB" in text
+    assert f"top-1 changed on {changed} of {len(x)}" in text
+
+
+def test_fused_vs_unfused_note_says_what_it_means_and_what_to_try():
+    quantization = VariantMetrics(20.0, 0.99, 1.0)
+    for gap_db, matters in ((45.0, False), (24.0, True)):
+        out = OutputResult(
+            "y", quantization, quantization, fused_vs_unfused=FusedVsUnfused(gap_db, 0, 10)
+        )
+        result = _result(quantization, quantization)
+        result.outputs = [out]
+        result.output = "y"
+        notes = fused_unfused_notes(result)
+        assert notes[0].startswith(f"fused vs unfused, output 'y': SQNR {gap_db:.2f} dB")
+        assert ("negligible" in notes[0]) != matters
+        if matters:  # the avx2 CPU of _result: the saturation advice
+            assert "no VNNI" in notes[1] and "quantization.cpu" in notes[1]
+        else:
+            assert len(notes) == 1
+    vnni = _result(quantization, quantization)
+    vnni.cpu = resolve_cpu("avx512-vnni")
+    vnni.outputs = [
+        OutputResult("y", quantization, quantization, fused_vs_unfused=FusedVsUnfused(24.0, 0, 10))
+    ]
+    vnni.output = "y"
+    advice = fused_unfused_notes(vnni)[1]
+    assert "round" in advice and "quantization.cpu" in advice and "fused model" in advice
 
 
 # ------------------------------------------------------------------------------ bad input

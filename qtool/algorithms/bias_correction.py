@@ -23,6 +23,7 @@ from onnx import numpy_helper
 
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError
+from qtool.metrics.signal import SignalQuality
 from qtool.model import external_data
 from qtool.ort.sessions import create_session, ort_reason
 
@@ -264,15 +265,13 @@ def output_error(
             paths.append(path)
         reference = create_session(paths[0], spinning=False)
         candidate = create_session(paths[1], optimize=False, spinning=False)
-    total, count = 0.0, 0
+    quality = SignalQuality()
     for feed in batches:
         for r, q in zip(
             reference.run(None, dict(feed)), candidate.run(None, dict(feed)), strict=True
         ):
-            diff = np.asarray(r, np.float64) - np.asarray(q, np.float64)
-            total += float(np.sum(diff * diff))
-            count += diff.size
-    return total / max(count, 1)
+            quality.update(r, q)
+    return quality.mse()
 
 
 def apply_bias_correction(

@@ -49,6 +49,7 @@ from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError, RecipeError
+from qtool.metrics.signal import SignalQuality, db_from_noise_ratio
 from qtool.plan.layout import Layout
 from qtool.write.params import activation_params, quantize_weight
 
@@ -277,17 +278,21 @@ def layer_errors(
     if references is None:
         references = float_outputs(stats, weights)
     errors: dict[str, float] = {}
-    total_err = total_ref = 0.0
+    total = SignalQuality()
     for member, w, reference in zip(members, weights, references, strict=True):
         scaled = (w * scale[:, None]).astype(np.float32)
-        quantized = xq @ _fake_quantize_weight(scaled, member.per_channel)
-        err = float(np.sum((reference - quantized) ** 2))
-        ref = float(np.sum(reference**2))
-        errors[member.node] = err / ref if ref > 0 else err
-        total_err += err
-        total_ref += ref
-    errors["total"] = total_err / total_ref if total_ref > 0 else total_err
+        quality = SignalQuality()
+        quality.update(reference, xq @ _fake_quantize_weight(scaled, member.per_channel))
+        errors[member.node] = _relative_error(quality)
+        total.merge(quality)
+    errors["total"] = _relative_error(total)
     return errors
+
+
+def _relative_error(quality: SignalQuality) -> float:
+    """Noise over signal power; the plain squared error where the float output is all zero
+    (no signal to compare with, yet a smaller error still wins the alpha search)."""
+    return quality.noise / quality.signal if quality.signal > 0 else quality.noise
 
 
 def float_outputs(stats: ChannelStats, weights: list[np.ndarray]) -> list[np.ndarray]:
@@ -449,7 +454,8 @@ def _transform_hessians(
 
 
 def _sqnr_db(error: float) -> float | None:
-    return None if error <= 0 else round(float(-10.0 * np.log10(error)), 3)
+    """The report's SQNR of a relative error; None for an exact layer (no finite dB)."""
+    return None if error <= 0 else round(db_from_noise_ratio(error), 3)
 
 
 def _outlier_ratio(absmax: np.ndarray) -> float:

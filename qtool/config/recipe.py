@@ -29,7 +29,7 @@ from qtool.config import presets
 from qtool.config.yaml_load import load_yaml
 from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
 from qtool.errors import RecipeError
-from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem
+from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
 from qtool.plan.settings import (
@@ -644,8 +644,14 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
 
 def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
     keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
-    keys.add("accuracy_level")
+    keys |= {"accuracy_level", "rows"}
     reader.mapping(raw, "evaluation", keys, {"data"})
+    rows = raw.get("rows")
+    if rows is not None:
+        rows = reader.string_list(rows, "evaluation.rows")
+        problem = rows_problem(rows)
+        if problem is not None:
+            raise reader.fail("evaluation.rows", problem)
     accuracy_level = raw.get("accuracy_level")
     if accuracy_level is not None:
         accuracy_level = reader.integer(accuracy_level, "evaluation.accuracy_level", minimum=0)
@@ -668,6 +674,7 @@ def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
         output=None if output is None else reader.string(output, "evaluation.output"),
         metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
         accuracy_level=accuracy_level,
+        rows=rows,
         **gates,
     )
 

@@ -1,31 +1,38 @@
-"""CI gates on an evaluation: which limits hold, judged on the fused model, and a JUnit report.
+"""CI gates on an evaluation: which limits hold, judged on the fused model.
 
 A gate is judged on the quantized model as ONNX Runtime fuses it, because that is what deploys;
 the unfused (QDQ) value is recorded beside it so a failure caused by the kernels rather than the
 quantization is visible. Each gate passes or fails on its own, so a report says which limit broke.
+A drop gate that would count top-1 agreement on an output that is not class scores
+(metrics/kinds.py) is refused rather than judged: such an agreement flips on near-ties and would
+fail a near-perfect model. The JUnit form of the judged gates is metrics/junit.py.
 """
 
 from __future__ import annotations
 
-import xml.etree.ElementTree as ET
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from qtool.metrics.evaluate import VARIANTS, EvalResult, format_db, json_float
+from qtool.errors import RecipeError
+from qtool.metrics.kinds import DENSE
+from qtool.metrics.results import EvalResult
+from qtool.metrics.signal import format_db, json_float
 
 
 @dataclass(frozen=True)
 class Gates:
     """The CI gates, all judged on the gated output of the fused model (what deploys).
 
-    metric None means accuracy with labels, else top-1 agreement. Cosine is the gate for
-    embeddings, where top-1 agreement means nothing.
+    metric None means accuracy with labels, else top-1 agreement, which is refused on an output
+    that is not class scores: cosine is the gate for embeddings, where top-1 agreement means
+    nothing. A metric named explicitly is judged whatever the output. `max_drop_source` names
+    where max_drop came from (an option or a recipe key), for the refusal.
     """
 
     metric: str | None = None
     max_drop: float | None = None
     min_cosine: float | None = None
     min_sqnr: float | None = None
+    max_drop_source: str = "max_drop"
 
 
 @dataclass
@@ -77,11 +84,16 @@ class GateResult:
 
 
 def judge_gates(result: EvalResult, gates: Gates) -> list[GateResult]:
-    """Each active gate passes or fails on its own, judged on the fused model."""
+    """Each active gate passes or fails on its own, judged on the fused model.
+
+    Raises RecipeError (exit 2) for a max_drop that would count top-1 agreement, by default, on
+    an output evaluate found not to be class scores."""
     judged: list[GateResult] = []
     output = result.output
     if gates.max_drop is not None:
         metric = gates.metric or result.default_metric()
+        if gates.metric is None and metric == "agreement" and result.gated().kind == DENSE:
+            raise RecipeError(agreement_refusal(result, gates))
         drop = result.drop_points(metric)
         unfused = result.drop_points(metric, "unfused")
         judged.append(
@@ -119,51 +131,13 @@ def judge_gates(result: EvalResult, gates: Gates) -> list[GateResult]:
     return judged
 
 
-# ---------------------------------------------------------------------------------------------
-# JUnit
-
-
-def junit_xml(result: EvalResult, gates: Iterable[GateResult]) -> bytes:
-    """A JUnit XML report, one testcase per gate, that CI systems (GitHub, GitLab, Jenkins) show
-    natively. No timestamps or durations, so the same numbers give the same bytes."""
-    gates = list(gates)
-    failures = sum(not g.passed for g in gates)
-    counts = {"tests": str(len(gates)), "failures": str(failures), "errors": "0"}
-    root = ET.Element("testsuites", {"name": "qtool evaluate", **counts})
-    suite = ET.SubElement(root, "testsuite", {"name": "qtool evaluate", **counts, "skipped": "0"})
-    properties = ET.SubElement(suite, "properties")
-    summary = {
-        "fp32_model": str(result.fp32_path or ""),
-        "quant_model": str(result.quant_path or ""),
-        "samples": str(result.samples),
-        "gated_output": result.output,
-        "cpu": "" if result.cpu is None else result.cpu.describe(),
-    }
-    for out in result.outputs:
-        for variant in VARIANTS:
-            metrics = out.variant(variant)
-            summary[f"{out.name}.{variant}.sqnr_db"] = format_db(metrics.sqnr_db)
-            summary[f"{out.name}.{variant}.cosine"] = f"{metrics.cosine:.6f}"
-            if metrics.agreement is not None:
-                summary[f"{out.name}.{variant}.agreement"] = f"{metrics.agreement:.6f}"
-            if metrics.accuracy is not None:
-                summary[f"{out.name}.{variant}.accuracy"] = f"{metrics.accuracy:.6f}"
-        if out.fp32_accuracy is not None:
-            summary[f"{out.name}.fp32.accuracy"] = f"{out.fp32_accuracy:.6f}"
-    for name, value in summary.items():
-        ET.SubElement(properties, "property", {"name": name, "value": value})
-    for gate in gates:
-        case = ET.SubElement(
-            suite, "testcase", {"classname": "qtool.metrics.evaluate", "name": gate.title}
-        )
-        if not gate.passed:
-            failure = ET.SubElement(
-                case, "failure", {"message": gate.describe(), "type": "QuantizationGate"}
-            )
-            failure.text = f"FAIL (fused model, what deploys): {gate.describe()}"
-        ET.SubElement(case, "system-out").text = gate.describe()
-    if result.warnings:
-        text = "\n".join(f"warning: {w.message}" for w in result.warnings)
-        ET.SubElement(suite, "system-err").text = text
-    ET.indent(root)
-    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
+def agreement_refusal(result: EvalResult, gates: Gates) -> str:
+    """Why a default agreement drop gate is not judged on this output, and what to use."""
+    gated = result.gated()
+    return (
+        f"{gates.max_drop_source}: output {gated.name!r} is not class scores "
+        f"({gated.kind_evidence}): its top-1 agreement counts flips between near-equal values, "
+        f"not changed predictions (fused cosine {gated.fused.cosine:.5f}); gate it with "
+        "--min-cosine or --min-sqnr (evaluation.min_cosine / min_sqnr), or name the metric "
+        "(--metric agreement, evaluation.metric: agreement) to gate agreement anyway"
+    )

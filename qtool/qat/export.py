@@ -11,6 +11,7 @@ import torch
 from onnx import numpy_helper
 
 from qtool.errors import ModelError
+from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import create_session
 from qtool.qat.train import outputs_tuple
 
@@ -64,11 +65,12 @@ def ort_outputs(model: bytes, feeds: Sequence[dict[str, np.ndarray]], fused: boo
 
 
 def max_difference(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> float:
-    return max(
-        float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max())
-        for xs, ys in zip(a, b, strict=True)
-        for x, y in zip(xs, ys, strict=True)
-    )
+    """The largest absolute difference between two runs' outputs, over every batch and output."""
+    quality = SignalQuality(peak=True)
+    for xs, ys in zip(a, b, strict=True):
+        for x, y in zip(xs, ys, strict=True):
+            quality.update(x, y)
+    return quality.max_abs_diff
 
 
 def output_step(reference: list[list[np.ndarray]]) -> float:

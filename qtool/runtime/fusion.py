@@ -49,6 +49,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from qtool.errors import DataError, ModelError
+from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import create_session, ort_reason
 
 if TYPE_CHECKING:
@@ -701,35 +702,6 @@ def fusion_summary(truth: dict[str, NodeRuntime]) -> dict:
 # Fused vs unfused numerics
 
 
-def sqnr_db(signal: float, noise: float) -> float:
-    """10 log10(signal / noise) of summed squares; inf when identical, -inf for a zero signal.
-
-    The one definition evaluate, verify and analyze report, so their dB figures agree."""
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
-
-
-class SignalNoise:
-    """Summed squares of a reference and of its error, accumulated batch by batch (float64),
-    so an SQNR over a whole data set needs no more memory than one batch."""
-
-    def __init__(self) -> None:
-        self.signal = 0.0
-        self.noise = 0.0
-
-    def update(self, ref: np.ndarray, value: np.ndarray) -> None:
-        ref64 = np.asarray(ref, np.float64)
-        diff = ref64 - np.asarray(value, np.float64)
-        self.signal += float(np.sum(ref64 * ref64))
-        self.noise += float(np.sum(diff * diff))
-
-    def sqnr_db(self) -> float:
-        return sqnr_db(self.signal, self.noise)
-
-
 def compare_fused_unfused(
     quantized: bytes | Path,
     feeds: Iterable[dict[str, np.ndarray]],
@@ -742,14 +714,14 @@ def compare_fused_unfused(
     which is what calibration and sensitivity analysis assume; ORT_ENABLE_ALL runs the integer
     kernels. Where they differ, the integer kernels round (requantization) or saturate (uint8 x
     int8 on x86 without VNNI) differently. inf means bit-identical outputs over all batches.
+    The SQNR is qtool.metrics.signal's, the one evaluate and analyze print.
     """
     source = quantized if isinstance(quantized, bytes) else Path(quantized)
     if fused is None:  # else the caller's ORT_ENABLE_ALL session of `quantized`
         fused = create_session(source, threads=threads, optimize=True)
     unfused = create_session(source, threads=threads, optimize=False)
     names = [o.name for o in unfused.get_outputs()]
-    signal = dict.fromkeys(names, 0.0)
-    noise = dict.fromkeys(names, 0.0)
+    quality = {name: SignalQuality() for name in names}
     batches = 0
     for index, feed in enumerate(feeds):
         try:
@@ -759,11 +731,8 @@ def compare_fused_unfused(
             reason = ort_reason(exc)
             raise DataError(f"batch {index} cannot run the quantized model: {reason}") from exc
         for name, ref, out in zip(names, reference, candidate, strict=True):
-            ref64 = np.asarray(ref, dtype=np.float64)
-            out64 = np.asarray(out, dtype=np.float64)
-            signal[name] += float(np.sum(ref64 * ref64))
-            noise[name] += float(np.sum((ref64 - out64) ** 2))
+            quality[name].update(ref, out)
         batches += 1
     if batches == 0:
         raise DataError("compare_fused_unfused needs at least one batch of inputs")
-    return {name: sqnr_db(signal[name], noise[name]) for name in names}
+    return {name: quality[name].sqnr_db() for name in names}

@@ -9,7 +9,6 @@ node is reported instead of discovered in production.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,9 +16,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qtool.metrics.signal import json_float
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import create_session
 from qtool.plan.plan import NodePlan, Plan
+from qtool.runtime.fused_gap import kernel_advice, kernel_cause
 from qtool.runtime.fusion import (
     FUSED,
     OptimizedSession,
@@ -42,10 +43,6 @@ FUSED_GAP_WARN_DB = 30.0
 class Verification:
     summary: dict  # fusion_summary plus the fused-vs-unfused comparison
     warnings: list[str] = field(default_factory=list)
-
-
-def _json_db(value: float) -> float | str:
-    return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
 def _written_op_type(node: NodePlan, target: str) -> str:
@@ -151,18 +148,14 @@ def verify(
     ]
     here = detect_cpu()
     sqnr = compare_fused_unfused(quantized, feeds, threads, loaded.session)
-    summary["fused_vs_unfused_sqnr_db"] = {name: _json_db(v) for name, v in sqnr.items()}
+    summary["fused_vs_unfused_sqnr_db"] = {name: json_float(v) for name, v in sqnr.items()}
     summary["verified_on_cpu"] = here.to_dict()
     for name, value in sqnr.items():
         if value < FUSED_GAP_WARN_DB:
-            cause = (
-                "this CPU has no VNNI and its uint8 x int8 kernels saturate 16-bit pair sums"
-                if here.u8s8_saturates
-                else "ORT's integer kernels compute differently from the QDQ graph"
-            )
             warnings.append(
                 f"output {name!r}: fused ORT run is only {value:.1f} dB from the unfused QDQ "
-                f"semantics on calibration data ({cause})"
+                f"semantics on calibration data ({kernel_cause(here)}); try: "
+                f"{kernel_advice(here)}"
             )
     if float_model is not None and any(
         n.weight is not None and (n.precision == "int4" or n.activations == "float")

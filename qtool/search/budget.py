@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from qtool.errors import RecipeError
+from qtool.metrics.signal import db_from_noise_ratio, noise_ratio_from_db
 from qtool.metrics.spec import EvaluationSpec
 from qtool.search.spec import MixedPrecisionSpec
 
@@ -33,7 +34,7 @@ class Budget:
             return self.limit
         if self.gate == "min_cosine":
             return max(0.0, 1.0 - self.limit)
-        return 10.0 ** (-self.limit / 10.0)
+        return noise_ratio_from_db(self.limit)
 
     def holds(self, value: float, float_value: float) -> bool:
         """Whether a measured metric value meets the budget (as the gate would judge it)."""
@@ -49,7 +50,7 @@ class Budget:
             return float_value - penalty
         if self.metric == "cosine":
             return 1.0 - penalty
-        return math.inf if penalty <= 0 else -10.0 * math.log10(penalty)
+        return db_from_noise_ratio(penalty)
 
     def describe(self) -> str:
         if self.gate == "max_drop":

@@ -20,10 +20,10 @@ import onnx
 from onnx import helper
 
 from qtool.data.batches import Batch
+from qtool.metrics.signal import SignalQuality
 from qtool.model.prepare import tensor_types
 from qtool.ort.sessions import create_session
 from qtool.plan.plan import Plan
-from qtool.runtime.fusion import SignalNoise
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def layer_sqnr(
     quant_session = create_session(
         _with_outputs(quant_model, quant_names), threads=threads, optimize=False
     )
-    energy = {key: SignalNoise() for key in pairs}
+    energy = {key: SignalQuality() for key in pairs}
     for batch in batches:
         ref = dict(zip(float_names, float_session.run(float_names, batch.inputs), strict=True))
         got = dict(zip(quant_names, quant_session.run(quant_names, batch.inputs), strict=True))

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from rich.table import Table
 
-from qtool.metrics.evaluate import json_float
+from qtool.metrics.signal import json_float
 from qtool.search.budget import Budget
 from qtool.search.knapsack import Choice
 from qtool.search.promote import Iteration, SearchResult

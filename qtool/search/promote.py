@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from qtool.metrics.signal import noise_ratio_from_db
 from qtool.search.budget import Budget
 from qtool.search.candidates import step_up
 from qtool.search.knapsack import Choice
@@ -91,7 +92,7 @@ def _noise(analysis: SensitivityResult, node: str, precision: str) -> float:
     measured = analysis.node(node).one_at_a_time.get(precision)
     if measured is None or measured.skipped is not None or math.isnan(measured.sqnr_db):
         return 0.0
-    return 10.0 ** (-measured.sqnr_db / 10.0)
+    return noise_ratio_from_db(measured.sqnr_db)
 
 
 def next_promotion(

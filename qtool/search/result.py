@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from qtool.metrics.signal import noise_ratio_from_db
 from qtool.search.layers import LayerScore
 from qtool.search.scoring import Metric
 
@@ -147,7 +148,7 @@ class SensitivityResult:
         lost = node.layer.lost_db if node.layer is not None else None
         if node.layer is not None and lost is None:
             lost = -node.layer.sqnr_out_db
-        noise = [10.0 ** (-m.sqnr_db / 10.0) for m in measured if not math.isnan(m.sqnr_db)]
+        noise = [noise_ratio_from_db(m.sqnr_db) for m in measured if not math.isnan(m.sqnr_db)]
         return (
             max(m.penalty for m in measured) if measured else -math.inf,
             recovery if recovery is not None else -math.inf,

@@ -18,7 +18,8 @@ import numpy as np
 
 from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError, RecipeError
-from qtool.metrics.evaluate import Fidelity
+from qtool.metrics.labels import LabelAccuracy
+from qtool.metrics.signal import SignalQuality, noise_ratio_from_db
 from qtool.metrics.spec import EvaluationSpec
 from qtool.ort.sessions import create_session
 
@@ -62,7 +63,7 @@ class Metric:
             return float_value - value
         if self.name == "cosine":
             return 1.0 - value
-        return 0.0 if math.isinf(value) and value > 0 else 10.0 ** (-value / 10.0)
+        return noise_ratio_from_db(value)
 
 
 def choose_metric(
@@ -149,7 +150,8 @@ class Scorer:
     def score(self, model: bytes) -> Score:
         """Run `model` fused over the analysis batches and compare its gated output."""
         session = create_session(model, threads=self.threads, optimize=True)
-        fidelity = Fidelity()
+        quality = SignalQuality(cosine="rows", top1=True)
+        accuracy = LabelAccuracy()
         for ref, batch in zip(self.reference, self.batches, strict=True):
             out = session.run([self.metric.output], batch.inputs)[0]
             if out.shape != ref.shape:
@@ -157,15 +159,17 @@ class Scorer:
                     f"output {self.metric.output!r} has shape {out.shape} in a variant but "
                     f"{ref.shape} in the float model"
                 )
-            fidelity.update(ref, out, batch.labels if self.labelled else None)
-        metrics = fidelity.metrics(self.labelled)
+            quality.update(ref, out)
+            if self.labelled:
+                accuracy.update(out, batch.labels)
+        sqnr_db, cosine = quality.sqnr_db(), quality.cosine()
         if self.metric.name == "accuracy":
-            value = 100.0 * metrics.accuracy
+            value = 100.0 * accuracy.value()
         elif self.metric.name == "agreement":
-            value = 100.0 * metrics.agreement
+            value = 100.0 * quality.agreement()
         elif self.metric.name == "cosine":
-            value = metrics.cosine
+            value = cosine
         else:
-            value = metrics.sqnr_db
+            value = sqnr_db
         penalty = self.metric.penalty(value, self.float_value)
-        return Score(value, penalty, metrics.sqnr_db, metrics.cosine)
+        return Score(value, penalty, sqnr_db, cosine)

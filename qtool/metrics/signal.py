@@ -1,0 +1,165 @@
+"""Signal quality of a test tensor against its reference, accumulated batch by batch.
+
+One definition of SQNR, cosine, top-1 agreement and peak error for every comparison qtool makes:
+evaluate (quantized vs FP32, fused vs unfused), verify's fused-vs-unfused check, analyze's layer
+SQNRs and scores, SmoothQuant's and AdaRound's output errors, QAT's export check and the
+benchmarks. Two numbers that carry the same name then mean the same thing wherever they are
+printed. It imports only numpy, so every layer of the package may use it
+(tests/test_architecture.py puts it with the utilities).
+
+Sums are kept in float64 and folded into Python floats per batch, so a data set of any size
+needs the memory of one batch, and `merge` of two accumulators is exact: it adds the same
+numbers in the same order as one accumulator that saw both streams.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+
+CosineMode = Literal["rows", "global"]
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) of summed squares; inf when identical, -inf for a zero signal."""
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def db_from_noise_ratio(ratio: float) -> float:
+    """SQNR in dB of a noise-to-signal power ratio (the search's penalty unit): -10 log10(ratio)."""
+    return math.inf if ratio <= 0 else -10.0 * math.log10(ratio)
+
+
+def noise_ratio_from_db(db: float) -> float:
+    """The noise-to-signal power ratio an SQNR in dB stands for: 10^(-dB / 10); 0 for +inf."""
+    return 10.0 ** (-db / 10.0)
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine; two all-zero rows are identical (1), one all-zero row is orthogonal (0)."""
+    dot = np.sum(a * b, axis=1)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), 0.0)
+    return np.where(both_zero, 1.0, cos)
+
+
+class SignalQuality:
+    """Streaming comparison of `test` tensors with their `reference`.
+
+    Always kept: the reference's energy and the error's (SQNR, noise ratio, MSE), the element and
+    row counts. The rest costs passes over every batch, so a caller asks for what it prints:
+
+    - `cosine="rows"`: the mean over rows (the first axis: samples) of each row's cosine, what
+      evaluate reports, so one bad sample is not averaged away by the size of the others;
+      `cosine="global"`: one cosine of all values (a benchmark's flattened outputs).
+    - `top1=True`: agreement of the argmax over the last axis, for tensors of rank >= 2 (a rank-1
+      tensor has no class axis: agreement stays None).
+    - `peak=True`: the largest absolute difference.
+    """
+
+    def __init__(
+        self, *, cosine: CosineMode | None = None, top1: bool = False, peak: bool = False
+    ) -> None:
+        if cosine not in (None, "rows", "global"):
+            raise ValueError(f"cosine must be None, 'rows' or 'global', got {cosine!r}")
+        self.cosine_mode = cosine
+        self.top1 = top1
+        self.peak = peak
+        self.signal = 0.0  # sum of reference^2
+        self.noise = 0.0  # sum of (reference - test)^2
+        self.elements = 0
+        self.rows = 0  # samples: the first axis (1 for a scalar)
+        self.cosine_sum = 0.0  # "rows": sum of per-row cosines
+        self.dot = 0.0  # "global": sum of reference * test
+        self.test_energy = 0.0  # "global": sum of test^2
+        self.agree = 0
+        self.predictions = 0
+        self.max_abs_diff = 0.0
+
+    def update(self, reference: np.ndarray, test: np.ndarray) -> None:
+        """Add one batch; `test` has the shape of `reference`."""
+        ref64 = np.asarray(reference, np.float64)
+        test64 = np.asarray(test, np.float64)
+        diff = ref64 - test64
+        self.signal += float(np.sum(ref64 * ref64))
+        self.noise += float(np.sum(diff * diff))
+        self.elements += int(diff.size)
+        n = ref64.shape[0] if ref64.ndim else 1
+        self.rows += n
+        if self.cosine_mode == "rows":
+            rows = cosine_rows(ref64.reshape(n, -1), test64.reshape(n, -1))
+            self.cosine_sum += float(np.sum(rows))
+        elif self.cosine_mode == "global":
+            self.dot += float(np.sum(ref64 * test64))
+            self.test_energy += float(np.sum(test64 * test64))
+        if self.top1 and np.ndim(reference) >= 2:
+            top_ref = np.argmax(reference, axis=-1)
+            top_test = np.argmax(test, axis=-1)
+            self.agree += int(np.count_nonzero(top_ref == top_test))
+            self.predictions += int(top_ref.size)
+        if self.peak and diff.size:
+            self.max_abs_diff = max(self.max_abs_diff, float(np.abs(diff).max()))
+
+    def merge(self, other: SignalQuality) -> SignalQuality:
+        """Add `other`'s batches to this one (same measures), e.g. per-output into a total."""
+        if (other.cosine_mode, other.top1, other.peak) != (self.cosine_mode, self.top1, self.peak):
+            raise ValueError("merge needs accumulators that measure the same things")
+        self.signal += other.signal
+        self.noise += other.noise
+        self.elements += other.elements
+        self.rows += other.rows
+        self.cosine_sum += other.cosine_sum
+        self.dot += other.dot
+        self.test_energy += other.test_energy
+        self.agree += other.agree
+        self.predictions += other.predictions
+        self.max_abs_diff = max(self.max_abs_diff, other.max_abs_diff)
+        return self
+
+    def sqnr_db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+    def mse(self) -> float:
+        """Mean squared error per element (0 before any batch)."""
+        return self.noise / max(self.elements, 1)
+
+    def cosine(self) -> float:
+        """The cosine asked for at construction: mean over rows, or of all values at once."""
+        if self.cosine_mode == "rows":
+            return self.cosine_sum / max(self.rows, 1)
+        if self.cosine_mode == "global":
+            norms = math.sqrt(self.test_energy) * math.sqrt(self.signal)
+            if norms == 0.0:
+                return 1.0 if self.test_energy == self.signal else 0.0
+            return self.dot / norms
+        raise ValueError("this accumulator measures no cosine (construct it with cosine=...)")
+
+    def agreement(self) -> float | None:
+        """Fraction of top-1 predictions that match; None without a class axis (or top1=False)."""
+        return self.agree / self.predictions if self.predictions else None
+
+    def changed(self) -> int:
+        """Top-1 predictions that differ from the reference's."""
+        return self.predictions - self.agree
+
+
+def json_float(value: float) -> float | str:
+    """A number for strict JSON, which has no Infinity: an SQNR of identical tensors is "inf"."""
+    if math.isfinite(value):
+        return value
+    return "inf" if value > 0 else "-inf"
+
+
+def format_db(value: float) -> str:
+    """An SQNR for people: two decimals, or "inf" / "-inf"."""
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.2f}"
