@@ -105,7 +105,7 @@ __device__ double block_reduce_sum(double v) {
 
 // ---- min / max ----
 
-__global__ void minmax_partial_kernel(const float* x, int64_t n, QtMinMax* parts) {
+__device__ void minmax_partial(const float* x, int64_t n, QtMinMax* parts) {
   QtMinMax acc = qt_minmax_init();
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
@@ -113,6 +113,29 @@ __global__ void minmax_partial_kernel(const float* x, int64_t n, QtMinMax* parts
   }
   QtMinMax r = block_reduce_minmax(acc);
   if (threadIdx.x == 0) parts[blockIdx.x] = r;
+}
+
+__global__ void minmax_partial_kernel(const float* x, int64_t n, QtMinMax* parts) {
+  minmax_partial(x, n, parts);
+}
+
+// The lean designs' second look (below): runs only when *flag is set (the tensor held NaN/Inf).
+__global__ void fixup_partial_kernel(const float* x, int64_t n, const int32_t* flag,
+                                     QtMinMax* parts) {
+  if (*flag == 0) return;  // uniform across the grid
+  minmax_partial(x, n, parts);
+}
+
+__global__ void fixup_final_kernel(const QtMinMax* parts, int nparts, const int32_t* flag,
+                                   float* out_min, float* out_max, int64_t* out_nonfinite) {
+  if (*flag == 0) return;
+  QtMinMax acc = qt_minmax_init();
+  for (int k = threadIdx.x; k < nparts; k += blockDim.x) qt_minmax_merge(acc, parts[k]);
+  QtMinMax r = block_reduce_minmax(acc);
+  if (threadIdx.x == 0) {
+    qt_minmax_finish(r, out_min, out_max);
+    *out_nonfinite = r.nonfinite;
+  }
 }
 
 __global__ void minmax_final_kernel(const QtMinMax* parts, int nparts, float* out_min,
@@ -160,7 +183,10 @@ __global__ void channel_minmax_kernel(const float* x, int64_t inner, float* out_
 //    counter that every warp hits;
 //  - match: lanes of a warp with the same bin add once (__match_any_sync) instead of each;
 //  - bins: the float32 power-of-two formula (qt_hist_bin_pow2, every observer geometry) or the
-//    double formula (qt_hist_bin) always, to time what the double conversions cost.
+//    double formula (qt_hist_bin) always, to time what the double conversions cost;
+//  - lean (below): no per-value finiteness test at all, min/max as integer keys, and a second
+//    look only at tensors holding NaN/Inf (about 12 instructions per value in the sm_90 code
+//    against about 28 for the others, read off cuobjdump).
 // The histograms are integer counts and min/max follow a total order, so every variant gives the
 // same results in any block and warp order (tests/gpu/test_cuda_kernels.py checks each against
 // the CPU on the same inputs).
@@ -177,6 +203,7 @@ struct Variant {
   int threads;
   bool double_bins;
   LaunchFn launch;  // fused designs: the kernel family (loads, zeros, match)
+  LaunchFn lean;    // lean designs: their family for observe and min/max, else null
 };
 
 // Histogram geometry of one call, as the kernels read it.
@@ -255,37 +282,59 @@ __device__ QtMinMax block_merge_minmax(QtMinMax v) {
   return r;
 }
 
+// The fused kernels' dynamic shared memory: the block's histogram copies.
+extern __shared__ unsigned fused_smem[];
+
+// counter += 1 at shared address `addr` when `on`: one predicated RED, no branch. Through PTX
+// because the compiler otherwise recomputes the shared window's base for every element.
+__device__ __forceinline__ void shared_increment(unsigned addr, bool on) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %1, 0;\n\t@p red.shared.add.u32 [%0], 1;\n\t}"
+      :
+      : "r"(addr), "r"((unsigned)on)
+      : "memory");
+}
+
 // One value: min/max, and its bin counted unless it is non-finite (or a zero kept in a register).
 // `valid` false: a padding lane of the last step (MATCH needs every lane of the warp to take part).
+// Written without branches: the bin is computed for every value and the increment is predicated,
+// so a warp never splits per element. `base`: this warp's copy in fused_smem, as a shared-space
+// byte address.
 template <bool HIST, bool ZEROS, bool MATCH, bool POW2, bool SHARED>
 __device__ __forceinline__ void take(float v, bool valid, ThreadMinMax& m, unsigned& zeros,
-                                     unsigned* hist, unsigned long long* global_hist,
+                                     unsigned base, unsigned long long* global_hist,
                                      const HistGeom& g) {
   const bool finite = valid && qt_isfinite(v);
-  if (finite) {
-    const unsigned bits = __float_as_uint(v);
-    m.mn = fminf(m.mn, v);
-    m.mx = fmaxf(m.mx, v);
-    m.any_bits |= bits;
-    m.any_not_bits |= ~bits;
-  }
-  if (valid && !finite) ++m.nonfinite;
+  const unsigned bits = __float_as_uint(v);
+  m.mn = finite ? fminf(m.mn, v) : m.mn;
+  m.mx = finite ? fmaxf(m.mx, v) : m.mx;
+  m.any_bits |= finite ? bits : 0u;
+  m.any_not_bits |= finite ? ~bits : 0u;
+  m.nonfinite += valid && !finite ? 1u : 0u;
   if (!HIST) return;
-  int bin = -1;
-  if (finite) {
-    if (ZEROS && v == 0.0f) {
-      ++zeros;
-    } else {
-      bin = POW2 ? qt_hist_bin_pow2(v, g.pow2) : (int)qt_hist_bin(v, g.half_range, g.scale, g.nbins);
-    }
+  bool count = finite;
+  if (ZEROS) {
+    const bool zero = v == 0.0f;
+    zeros += finite && zero ? 1u : 0u;
+    count = count && !zero;
+  }
+  int bin;
+  if (POW2) {
+    bin = qt_hist_bin_pow2(v, g.pow2);
+  } else {
+    bin = (int)qt_hist_bin(v, g.half_range, g.scale, g.nbins);
+    count = count && bin >= 0;
   }
   if (!SHARED) {
-    if (bin >= 0) atomicAdd(global_hist + bin, 1ull);
+    if (count) atomicAdd(global_hist + bin, 1ull);
   } else if (MATCH) {
-    const unsigned peers = __match_any_sync(0xffffffffu, bin);
-    if (bin >= 0 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(hist + bin, __popc(peers));
-  } else if (bin >= 0) {
-    atomicAdd(hist + bin, 1u);
+    const unsigned peers = __match_any_sync(0xffffffffu, count ? bin : -1);
+    if (count && (threadIdx.x & 31) == __ffs(peers) - 1) {
+      asm volatile("red.shared.add.u32 [%0], %1;" : : "r"(base + 4u * (unsigned)bin),
+                   "r"((unsigned)__popc(peers)) : "memory");
+    }
+  } else {
+    shared_increment(base + 4u * (unsigned)bin, count);
   }
 }
 
@@ -298,12 +347,13 @@ __global__ void __launch_bounds__(512) fused_observe_kernel(const float* __restr
                                                              QtMinMax* parts,
                                                              unsigned long long* target) {
   constexpr int kUnroll = 4;
-  extern __shared__ unsigned local[];
-  unsigned* hist = nullptr;
+  // this warp's copy, fused_smem[copy * nbins : (copy + 1) * nbins], as a shared byte address
+  unsigned hist = 0;
   if (HIST && SHARED) {
-    const int64_t words = (int64_t)copies * g.nbins;
-    for (int64_t j = threadIdx.x; j < words; j += blockDim.x) local[j] = 0;
-    hist = local + (int64_t)((threadIdx.x >> 5) & (copies - 1)) * g.nbins;
+    const unsigned words = (unsigned)copies * (unsigned)g.nbins;  // fits shared memory
+    for (unsigned j = threadIdx.x; j < words; j += blockDim.x) fused_smem[j] = 0;
+    const unsigned copy = (threadIdx.x >> 5) & (unsigned)(copies - 1);
+    hist = (unsigned)__cvta_generic_to_shared(fused_smem) + 4u * copy * (unsigned)g.nbins;
     __syncthreads();
   }
   ThreadMinMax m;
@@ -381,7 +431,8 @@ __global__ void __launch_bounds__(512) fused_observe_kernel(const float* __restr
     const unsigned warp_zeros = __reduce_add_sync(0xffffffffu, zeros);
     if (lane == 0 && warp_zeros != 0) {
       if (SHARED) {
-        atomicAdd(hist + g.zero_bin, warp_zeros);
+        asm volatile("red.shared.add.u32 [%0], %1;" : : "r"(hist + 4u * (unsigned)g.zero_bin),
+                     "r"(warp_zeros) : "memory");
       } else {
         atomicAdd(target + g.zero_bin, (unsigned long long)warp_zeros);
       }
@@ -389,9 +440,9 @@ __global__ void __launch_bounds__(512) fused_observe_kernel(const float* __restr
   }
   if (!SHARED) return;
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < g.nbins; j += blockDim.x) {
+  for (unsigned j = threadIdx.x; j < (unsigned)g.nbins; j += blockDim.x) {
     unsigned sum = 0;  // < 2^31: a block reads fewer elements (kMaxElementsPerBlock)
-    for (int c = 0; c < copies; ++c) sum += local[(int64_t)c * g.nbins + j];
+    for (int c = 0; c < copies; ++c) sum += fused_smem[(unsigned)c * (unsigned)g.nbins + j];
     if (sum != 0) atomicAdd(target + j, (unsigned long long)sum);
   }
 }
@@ -415,6 +466,208 @@ __global__ void fused_final_kernel(const QtMinMax* parts, int nparts, float half
   if (ok && spec != nullptr && counts != nullptr) {
     for (int64_t j = threadIdx.x; j < nbins; j += blockDim.x) counts[j] += (int64_t)spec[j];
   }
+}
+
+// ---- lean designs: per value only what an accepted observe needs ----
+//
+// A call whose tensor holds NaN or Inf is rejected whatever its histogram, and calibration stops
+// on it; so the lean pass neither tests finiteness nor excludes non-finite values per value. It
+// keeps min/max as integer keys in the total order of qt_less (order_key: -0.0 < +0.0, NaN and
+// Inf at the ends), counts every value (non-finite ones into some edge bin), and sends exact
+// zeros to one counter per lane (no contention, added to the zero's bin at the flush). The final
+// block sees from the keys alone whether a NaN/Inf was present; only then, two more kernels
+// (launched every time, returning at once otherwise) compute the exact min/max and non-finite
+// count with qt_minmax_update, and the call is rejected as qt_cpu_observe rejects it.
+
+__device__ __forceinline__ int order_key(float v) {
+  const int i = __float_as_int(v);
+  return i ^ ((i >> 31) & 0x7fffffff);
+}
+__device__ __forceinline__ float from_key(int k) {
+  return __int_as_float(k ^ ((k >> 31) & 0x7fffffff));
+}
+constexpr int kKeyPosInf = 0x7f800000;        // order_key(+Inf); +NaN above
+constexpr int kKeyNegInf = (int)0x807fffffu;  // order_key(-Inf); -NaN below
+
+template <bool HIST, bool ZEROS, bool POW2>
+__device__ __forceinline__ void lean_take(float v, int& kmin, int& kmax, unsigned base,
+                                          unsigned zero_slot, const HistGeom& g) {
+  const int key = order_key(v);
+  kmin = min(kmin, key);
+  kmax = max(kmax, key);
+  if (!HIST) return;
+  int bin;
+  if (POW2) {
+    bin = qt_hist_bin_pow2(v, g.pow2);  // an edge bin for +-Inf and NaN
+  } else {
+    bin = (int)qt_hist_bin(v, g.half_range, g.scale, g.nbins);
+    bin = bin > 0 ? bin : 0;  // -1 (NaN/Inf): any bin, the call is rejected
+  }
+  unsigned addr = base + 4u * (unsigned)bin;
+  if (ZEROS) addr = v == 0.0f ? zero_slot : addr;
+  asm volatile("red.shared.add.u32 [%0], 1;" : : "r"(addr) : "memory");
+}
+
+template <bool HIST, bool ZEROS, bool POW2>
+__global__ void __launch_bounds__(512) lean_observe_kernel(const float* __restrict__ x, int64_t n,
+                                                           HistGeom g, int copies, int2* parts,
+                                                           unsigned long long* target) {
+  constexpr int kUnroll = 4;
+  const unsigned words_per_copy = (unsigned)g.nbins + (ZEROS ? 32u : 0u);  // bins, lane zeros
+  const int lane = threadIdx.x & 31;
+  unsigned base = 0, zero_slot = 0;
+  if (HIST) {
+    const unsigned words = (unsigned)copies * words_per_copy;
+    for (unsigned j = threadIdx.x; j < words; j += blockDim.x) fused_smem[j] = 0;
+    const unsigned copy = (threadIdx.x >> 5) & (unsigned)(copies - 1);
+    base = (unsigned)__cvta_generic_to_shared(fused_smem) + 4u * copy * words_per_copy;
+    zero_slot = base + 4u * ((unsigned)g.nbins + (unsigned)lane);
+    __syncthreads();
+  }
+  int kmin = 0x7fffffff, kmax = (int)0x80000000u;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned mis = (unsigned)(((uintptr_t)x >> 2) & 3);
+  int64_t head = mis != 0 ? 4 - mis : 0;
+  head = head < n ? head : n;
+  const int64_t body = (n - head) / 4;
+  const int64_t tail_first = head + body * 4;
+  if (first < head) lean_take<HIST, ZEROS, POW2>(x[first], kmin, kmax, base, zero_slot, g);
+  if (first < n - tail_first) {
+    lean_take<HIST, ZEROS, POW2>(x[tail_first + first], kmin, kmax, base, zero_slot, g);
+  }
+  const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x + head);
+  const int64_t chunk = (int64_t)kUnroll * stride;
+  const int64_t full = body / chunk;
+  int64_t i = first;
+  for (int64_t step = 0; step < full; ++step, i += chunk) {
+    float4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(x4 + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      lean_take<HIST, ZEROS, POW2>(v[u].x, kmin, kmax, base, zero_slot, g);
+      lean_take<HIST, ZEROS, POW2>(v[u].y, kmin, kmax, base, zero_slot, g);
+      lean_take<HIST, ZEROS, POW2>(v[u].z, kmin, kmax, base, zero_slot, g);
+      lean_take<HIST, ZEROS, POW2>(v[u].w, kmin, kmax, base, zero_slot, g);
+    }
+  }
+  for (; i < body; i += stride) {
+    const float4 v = __ldg(x4 + i);
+    lean_take<HIST, ZEROS, POW2>(v.x, kmin, kmax, base, zero_slot, g);
+    lean_take<HIST, ZEROS, POW2>(v.y, kmin, kmax, base, zero_slot, g);
+    lean_take<HIST, ZEROS, POW2>(v.z, kmin, kmax, base, zero_slot, g);
+    lean_take<HIST, ZEROS, POW2>(v.w, kmin, kmax, base, zero_slot, g);
+  }
+
+  __shared__ int warp_min[32], warp_max[32];
+  kmin = __reduce_min_sync(0xffffffffu, kmin);
+  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  if (lane == 0) {
+    warp_min[threadIdx.x >> 5] = kmin;
+    warp_max[threadIdx.x >> 5] = kmax;
+  }
+  __syncthreads();  // also: every increment of the block is done
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+      kmin = min(kmin, warp_min[w]);
+      kmax = max(kmax, warp_max[w]);
+    }
+    parts[blockIdx.x] = make_int2(kmin, kmax);
+  }
+  if constexpr (HIST) {
+    for (unsigned j = threadIdx.x; j < (unsigned)g.nbins; j += blockDim.x) {
+      unsigned sum = 0;  // < 2^31: a block reads fewer elements (kMaxElementsPerBlock)
+      for (int c = 0; c < copies; ++c) sum += fused_smem[(unsigned)c * words_per_copy + j];
+      if (sum != 0) atomicAdd(target + j, (unsigned long long)sum);
+    }
+    if (ZEROS && threadIdx.x < 32) {  // warp 0: the lane counters of exact zeros
+      unsigned sum = 0;
+      for (int c = 0; c < copies; ++c) {
+        sum += fused_smem[(unsigned)c * words_per_copy + (unsigned)g.nbins + (unsigned)lane];
+      }
+      sum = __reduce_add_sync(0xffffffffu, sum);
+      if (lane == 0 && sum != 0) atomicAdd(target + g.zero_bin, (unsigned long long)sum);
+    }
+  }
+}
+
+// The lean designs' decision: min/max from the keys; with a NaN/Inf present, *flag = 1 (the fixup
+// kernels write min/max and the count) and the call is rejected; else as fused_final_kernel.
+__global__ void lean_final_kernel(const int2* parts, int nparts, float half_range,
+                                  const unsigned long long* spec, int64_t nbins, int64_t* counts,
+                                  float* out_min, float* out_max, int64_t* out_nonfinite,
+                                  int32_t* out_accumulated, int32_t* flag) {
+  int kmin = 0x7fffffff, kmax = (int)0x80000000u;
+  for (int k = threadIdx.x; k < nparts; k += blockDim.x) {
+    kmin = min(kmin, parts[k].x);
+    kmax = max(kmax, parts[k].y);
+  }
+  __shared__ int warp_min[32], warp_max[32];
+  kmin = __reduce_min_sync(0xffffffffu, kmin);
+  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  if ((threadIdx.x & 31) == 0) {
+    warp_min[threadIdx.x >> 5] = kmin;
+    warp_max[threadIdx.x >> 5] = kmax;
+  }
+  __syncthreads();
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+    kmin = min(kmin, warp_min[w]);
+    kmax = max(kmax, warp_max[w]);
+  }
+  const bool nonfinite = kmax >= kKeyPosInf || kmin <= kKeyNegInf;
+  const float mn = from_key(kmin), mx = from_key(kmax);
+  const bool ok = half_range > 0.0f && !nonfinite && mn > -half_range && mx < half_range;
+  if (threadIdx.x == 0) {
+    *flag = nonfinite ? 1 : 0;
+    if (!nonfinite) {
+      *out_min = mn;
+      *out_max = mx;
+      *out_nonfinite = 0;
+    }
+    if (out_accumulated != nullptr) *out_accumulated = ok ? 1 : 0;
+  }
+  if (ok && spec != nullptr && counts != nullptr) {
+    for (int64_t j = threadIdx.x; j < nbins; j += blockDim.x) counts[j] += (int64_t)spec[j];
+  }
+}
+
+template <bool HIST, bool ZEROS, bool POW2>
+int launch_lean_kernel(const LaunchArgs& a) {
+  auto kernel = lean_observe_kernel<HIST, ZEROS, POW2>;
+  const size_t words = (size_t)a.g.nbins + (ZEROS ? 32 : 0);
+  const size_t smem = HIST ? (size_t)a.copies * words * sizeof(unsigned) : 0;
+  if (smem > 48 * 1024) {
+    QT_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+  }
+  int sms = 0, fit = 0;
+  int status = sm_count(&sms);
+  if (status != QT_OK) return status;
+  QT_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, a.threads, smem));
+  if (fit < 1) return QT_ERR_RESOURCE;
+  const int per_sm = a.blocks_per_sm > 0 ? a.blocks_per_sm : fit;
+  int64_t blocks = (int64_t)sms * per_sm;
+  const int64_t useful = (a.n + kMinElementsPerBlock - 1) / kMinElementsPerBlock;
+  blocks = blocks < useful ? blocks : useful;
+  const int64_t needed = (a.n + kMaxElementsPerBlock - 1) / kMaxElementsPerBlock;
+  blocks = blocks > needed ? blocks : needed;
+  blocks = blocks > 1 ? blocks : 1;
+  if (blocks > a.max_blocks || blocks > 0x7fffffffLL) return QT_ERR_RESOURCE;
+  *a.out_blocks = (int)blocks;
+  kernel<<<(unsigned)blocks, a.threads, smem, a.stream>>>(
+      a.x, a.n, a.g, a.copies, reinterpret_cast<int2*>(a.parts), a.target);
+  QT_CUDA_TRY(cudaGetLastError());
+  return QT_OK;
+}
+
+// The lean family; zeros fixed, the rest per call. Only for observe and min/max (the histogram
+// alone must skip NaN/Inf: the exact family does it) and shared-memory histograms.
+template <bool ZEROS>
+int launch_lean(const LaunchArgs& a) {
+  if (!a.hist) return launch_lean_kernel<false, false, false>(a);
+  return a.pow2 ? launch_lean_kernel<true, ZEROS, true>(a)
+                : launch_lean_kernel<true, ZEROS, false>(a);
 }
 
 int max_shared_optin(int* out) {
@@ -466,23 +719,37 @@ int launch_family(const LaunchArgs& a) {
 
 // Index 0 is the two-pass design as it was before the variants; kDefaultVariant is the one
 // qt_cuda_observe & co. use unless qt_cuda_set_variant picks another.
-const Variant kVariants[] = {
-    {"two-pass", kTwoPass, 1, kThreads, true, nullptr},
-    {"fused-f1-c1", kFused, 1, 256, false, launch_family<1, false, false>},
-    {"fused-f4-c1", kFused, 1, 256, false, launch_family<4, false, false>},
-    {"fused-f4-c2", kFused, 2, 256, false, launch_family<4, false, false>},
-    {"fused-f4-c4", kFused, 4, 256, false, launch_family<4, false, false>},
-    {"fused-f4-warp", kFused, 0, 256, false, launch_family<4, false, false>},
-    {"fused-f4-c1-zeros", kFused, 1, 256, false, launch_family<4, true, false>},
-    {"fused-f4-c4-zeros", kFused, 4, 256, false, launch_family<4, true, false>},
-    {"fused-f4-warp-zeros", kFused, 0, 256, false, launch_family<4, true, false>},
-    {"fused-f4-c4-zeros-t512", kFused, 4, 512, false, launch_family<4, true, false>},
-    {"fused-f4-c1-match", kFused, 1, 256, false, launch_family<4, false, true>},
-    {"fused-f4-c4-zeros-double", kFused, 4, 256, true, launch_family<4, true, false>},
+constexpr Variant kVariants[] = {
+    {"two-pass", kTwoPass, 1, kThreads, true, nullptr, nullptr},
+    {"fused-f1-c1", kFused, 1, 256, false, launch_family<1, false, false>, nullptr},
+    {"fused-f4-c1", kFused, 1, 256, false, launch_family<4, false, false>, nullptr},
+    {"fused-f4-c4", kFused, 4, 256, false, launch_family<4, false, false>, nullptr},
+    {"fused-f4-c1-zeros", kFused, 1, 256, false, launch_family<4, true, false>, nullptr},
+    {"fused-f4-c4-zeros", kFused, 4, 256, false, launch_family<4, true, false>, nullptr},
+    {"fused-f4-warp-zeros", kFused, 0, 256, false, launch_family<4, true, false>, nullptr},
+    {"fused-f4-c4-zeros-t512", kFused, 4, 512, false, launch_family<4, true, false>, nullptr},
+    {"fused-f4-c1-match", kFused, 1, 256, false, launch_family<4, false, true>, nullptr},
+    {"fused-f4-c4-zeros-double", kFused, 4, 256, true, launch_family<4, true, false>, nullptr},
+    {"lean-c1", kFused, 1, 256, false, launch_family<4, false, false>, launch_lean<false>},
+    {"lean-c4", kFused, 4, 256, false, launch_family<4, false, false>, launch_lean<false>},
+    {"lean-c1-zeros", kFused, 1, 256, false, launch_family<4, true, false>, launch_lean<true>},
+    {"lean-c4-zeros", kFused, 4, 256, false, launch_family<4, true, false>, launch_lean<true>},
+    {"lean-c4-zeros-t512", kFused, 4, 512, false, launch_family<4, true, false>,
+     launch_lean<true>},
 };
 constexpr int kNumVariants = (int)(sizeof(kVariants) / sizeof(kVariants[0]));
-// Until measured on a GPU: float4 loads, 4 copies, zeros in registers (benchmarks/README.md).
-constexpr int kDefaultVariant = 7;
+
+constexpr bool same_name(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || same_name(a + 1, b + 1));
+}
+constexpr int variant_index(const char* name, int i = 0) {
+  return i == kNumVariants ? -1 : same_name(kVariants[i].name, name) ? i : variant_index(name, i + 1);
+}
+// Not measured on a GPU yet (benchmarks/README.md): chosen from the sm_90 code alone, the lean
+// design with the fewest instructions per value that also spreads a peaked histogram (4 copies)
+// and ReLU zeros (lane counters). Replace with the fastest measured design.
+constexpr int kDefaultVariant = variant_index("lean-c4-zeros");
+static_assert(kDefaultVariant >= 0, "the default design must be in kVariants");
 
 std::atomic<int>& current_variant() {
   static std::atomic<int> v{kDefaultVariant};
@@ -521,14 +788,17 @@ int run_fused(const Variant& v, FusedMode mode, const float* x, int64_t n, float
     int optin = 0;
     status = max_shared_optin(&optin);
     if (status != QT_OK) return status;
+    // words per copy: the bins, and 32 lane counters of exact zeros in the lean designs
+    const int64_t words = nbins + (v.lean != nullptr ? 32 : 0);
     int copies = v.copies > 0 ? v.copies : v.threads / 32;
-    while (copies > 1 && (int64_t)copies * nbins * 4 > optin) copies /= 2;
+    while (copies > 1 && (int64_t)copies * words * 4 > optin) copies /= 2;
     a.copies = copies;
-    a.shared = (int64_t)copies * nbins * 4 <= optin;
+    a.shared = (int64_t)copies * words * 4 <= optin;
   } else {
     a.copies = 1;
     a.shared = true;
   }
+  const bool lean = v.lean != nullptr && mode != kModeHistogram && a.shared;
   // scratch: the speculative histogram, and one partial min/max per block launched (at most
   // the resident blocks of every multiprocessor, or the count a blocks-per-SM setting asks for,
   // or as many as keep every block under kMaxElementsPerBlock)
@@ -542,18 +812,39 @@ int run_fused(const Variant& v, FusedMode mode, const float* x, int64_t n, float
   const int64_t parts_cap = (int64_t)sms * per_sm > needed ? (int64_t)sms * per_sm : needed;
   const bool spec = mode == kModeObserve && a.hist;
   const size_t spec_bytes = spec ? (size_t)nbins * sizeof(unsigned long long) : 0;
+  // lean: the fixup flag and the fixup pass's partial min/max (as the two-pass design's)
+  const int64_t fix_want = (n + kThreads - 1) / kThreads;
+  const int fix_blocks = (int)(fix_want < (int64_t)sms * 8 ? fix_want : (int64_t)sms * 8);
+  const size_t parts_bytes = (size_t)parts_cap * sizeof(QtMinMax);
+  const size_t lean_bytes = lean ? 16 + (size_t)fix_blocks * sizeof(QtMinMax) : 0;
   Scratch scratch(s);
-  QT_CUDA_TRY(scratch.alloc(spec_bytes + (size_t)parts_cap * sizeof(QtMinMax)));
-  unsigned long long* spec_counts = static_cast<unsigned long long*>(scratch.ptr);
-  a.parts = reinterpret_cast<QtMinMax*>(static_cast<char*>(scratch.ptr) + spec_bytes);
+  QT_CUDA_TRY(scratch.alloc(spec_bytes + parts_bytes + lean_bytes));
+  char* base = static_cast<char*>(scratch.ptr);
+  unsigned long long* spec_counts = reinterpret_cast<unsigned long long*>(base);
+  a.parts = reinterpret_cast<QtMinMax*>(base + spec_bytes);
+  int32_t* flag = reinterpret_cast<int32_t*>(base + spec_bytes + parts_bytes);
+  QtMinMax* fix_parts = reinterpret_cast<QtMinMax*>(base + spec_bytes + parts_bytes + 16);
   a.max_blocks = parts_cap;
   if (spec) QT_CUDA_TRY(cudaMemsetAsync(spec_counts, 0, spec_bytes, s));
   a.target = spec ? spec_counts : reinterpret_cast<unsigned long long*>(counts);
   int blocks = 0;
   a.out_blocks = &blocks;
-  status = v.launch(a);
+  status = lean ? v.lean(a) : v.launch(a);
   if (status != QT_OK) return status;
   if (mode == kModeHistogram) return QT_OK;
+  if (lean) {
+    lean_final_kernel<<<1, kFinalThreads, 0, s>>>(
+        reinterpret_cast<const int2*>(a.parts), blocks, mode == kModeObserve ? half_range : 0.0f,
+        spec ? spec_counts : nullptr, nbins, counts, out_min, out_max, out_nonfinite,
+        mode == kModeObserve ? out_accumulated : nullptr, flag);
+    QT_CUDA_TRY(cudaGetLastError());
+    fixup_partial_kernel<<<fix_blocks, kThreads, 0, s>>>(x, n, flag, fix_parts);
+    QT_CUDA_TRY(cudaGetLastError());
+    fixup_final_kernel<<<1, kThreads, 0, s>>>(fix_parts, fix_blocks, flag, out_min, out_max,
+                                              out_nonfinite);
+    QT_CUDA_TRY(cudaGetLastError());
+    return QT_OK;
+  }
   fused_final_kernel<<<1, kFinalThreads, 0, s>>>(
       a.parts, blocks, mode == kModeObserve ? half_range : 0.0f, spec ? spec_counts : nullptr,
       nbins, counts, out_min, out_max, out_nonfinite,

@@ -171,10 +171,11 @@ QT_HD inline QtPow2Bins qt_pow2_bins(float half_range, int64_t nbins) {
   return g;
 }
 
-// qt_hist_bin(v) for a finite v when g.ok.
+// qt_hist_bin(v) for a finite v when g.ok. Also defined for +-Inf and NaN (an edge bin, which
+// callers discard), so a kernel can compute it without a branch. fminf/fmaxf clamp exactly as the
+// CPU's MINPS/MAXPS do for every non-NaN t.
 QT_HD inline int32_t qt_hist_bin_pow2(float v, const QtPow2Bins& g) {
-  float t = qt_fma(v, g.scale, g.bias);
-  t = t < -g.half_f ? -g.half_f : (t > g.half_f ? g.half_f : t);
+  const float t = fminf(fmaxf(qt_fma(v, g.scale, g.bias), -g.half_f), g.half_f);
   const int32_t bin = (int32_t)floorf(t) + g.half;
   return bin < g.last ? bin : g.last;
 }

@@ -376,7 +376,7 @@ def cuda_variant() -> str:
 
 
 def default_cuda_variant() -> str:
-    """The built-in default design (the fastest one measured, benchmarks/README.md)."""
+    """The built-in default design (benchmarks/README.md, GPU section, says how it was chosen)."""
     lib = _cuda_lib()
     return lib.qt_cuda_variant_name(lib.qt_cuda_default_variant()).decode()
 
