@@ -4,19 +4,20 @@
 #   2. backends: both libraries load, the CUDA one sees the device; SASS present for sm_90
 #   3. tests/gpu: every CUDA kernel and every observe design against the CPU kernels, bit for bit
 #      (histograms, min/max, observe, MSE errors, block MSE search; KL within a tolerance), one
-#      QAT step on CUDA against the CPU step, NCCL calibration and QAT under torchrun
+#      QAT step on CUDA against the CPU step
 #   4. benchmarks/gpu_observe.py: observe throughput of every design against the measured
 #      device-to-device copy bandwidth, on 4 GiB tensors (target: >= 70%)
-#   5. a summary of all figures (tests/gpu/summarize.py)
-# Every stage has its own time limit (7.7 minutes in all, under 5 expected); a stage that
+#   5. tests/gpu/test_nccl.py: NCCL calibration and QAT under torchrun
+#   6. a summary of all figures (tests/gpu/summarize.py)
+# Every stage has its own time limit (7.5 minutes in all, under 5 expected); a stage that
 # fails is reported and the next one still runs; the exit status is the first failure's.
 # No network and no dependency resolution: the environment must already hold torch, numpy,
 # pytest, setuptools, wheel and qtool's other dependencies (the device image does).
 #
 #   OUT=/some/dir bash tests/gpu/run.sh      # results land in $OUT (default: a temporary dir)
 #
-# Files in $OUT: log (everything printed), build_info.json, junit.xml, gpu_observe.json,
-# qat_step.json, summary.txt.
+# Files in $OUT: log (everything printed), build_info.json, junit.xml, junit_nccl.xml,
+# gpu_observe.json, qat_step.json, summary.txt.
 set -uo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$self")/../.." || exit 1
@@ -76,15 +77,17 @@ backends() {
 
 export -f build backends
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place fallback imports from here
-stage build 120 bash -c build
+stage build 100 bash -c build
 stage backends 30 bash -c backends || { echo "no usable CUDA backend: stopping"; exit 1; }
 
-# the kernel checks first, NCCL (two torchrun runs) last
+# the kernel and QAT checks first; NCCL (two torchrun runs of the CLI) after the benchmark
 tests=()
 for f in tests/gpu/test_*.py; do [ "$f" != tests/gpu/test_nccl.py ] && tests+=("$f"); done
-stage tests 230 "$PY" -m pytest "${tests[@]}" tests/gpu/test_nccl.py -v -p no:cacheprovider \
-  --durations=15 --junitxml="$OUT/junit.xml"
-stage benchmark 80 "$PY" -m benchmarks.gpu_observe --gib 4 --json "$OUT/gpu_observe.json"
+stage tests 180 "$PY" -m pytest "${tests[@]}" -v -p no:cacheprovider --durations=15 \
+  --junitxml="$OUT/junit.xml"
+stage benchmark 70 "$PY" -m benchmarks.gpu_observe --gib 4 --json "$OUT/gpu_observe.json"
+stage nccl 70 "$PY" -m pytest tests/gpu/test_nccl.py -v -p no:cacheprovider \
+  --junitxml="$OUT/junit_nccl.xml"
 
 echo "== summary"
 "$PY" tests/gpu/summarize.py "$OUT" "$(($(date +%s) - started))" | tee "$OUT/summary.txt"

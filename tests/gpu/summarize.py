@@ -36,14 +36,17 @@ KERNELS = {
     "test_quantize_blockwise_on_cuda_writes_the_cpu_weights": "int4 weights via CUDA",
     "test_one_qat_step_on_cuda_matches_the_cpu_step": "QAT step CUDA vs CPU",
     "test_deterministic_turns_tf32_off_and_restores_it": "QAT TF32 off",
+    "test_nccl_calibration_writes_the_single_process_stats_file": "NCCL calibration",
+    "test_nccl_qat_exports_the_model_it_trained": "NCCL QAT",
 }
 
 
-def tests_summary(junit: Path) -> list[str]:
-    if not junit.is_file():
-        return [f"tests: {junit.name} missing (pytest did not finish)"]
+def tests_summary(junits: list[Path]) -> list[str]:
+    missing = [f"tests: {j.name} missing (pytest did not finish)" for j in junits]
+    missing = [m for m, j in zip(missing, junits, strict=True) if not j.is_file()]
+    cases = [c for j in junits if j.is_file() for c in ET.parse(j).getroot().iter("testcase")]
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in cases:
         name = case.get("name", "").split("[")[0]
         if case.find("failure") is not None or case.find("error") is not None:
             outcome = "failed"
@@ -61,7 +64,7 @@ def tests_summary(junit: Path) -> list[str]:
     total = {o: sum(c[o] for c in counts.values()) for o in ("passed", "failed", "skipped")}
     lines.append(f"{'all GPU tests':40s} {total['passed']:6d} {total['failed']:6d} "
                  f"{total['skipped']:7d}")  # fmt: skip
-    return lines
+    return missing + lines
 
 
 def bench_summary(path: Path) -> list[str]:
@@ -131,7 +134,7 @@ def main(argv: list[str]) -> int:
         return 0
     out = Path(argv[0])
     parts = [
-        tests_summary(out / "junit.xml"),
+        tests_summary([out / "junit.xml", out / "junit_nccl.xml"]),
         bench_summary(out / "gpu_observe.json"),
         qat_summary(out / "qat_step.json"),
     ]
