@@ -5,8 +5,11 @@ Project metadata lives in pyproject.toml; this file only adds the `build_kernels
 
 - `libqtool_cpu.so`: always, with g++ (or $CXX). A failure fails the install.
 - `libqtool_cuda.so`: when `nvcc` is found on PATH or in $CUDA_HOME/bin (or $CUDA_PATH/bin),
-  for sm_80 and sm_90 plus compute_90 PTX. If nvcc is found and the compilation fails, the
-  install fails loudly rather than silently shipping a CPU-only package.
+  with machine code (SASS) for each architecture of $QTOOL_CUDA_ARCHS (default `80;90`: A100,
+  H100/H200) plus PTX of the newest, which the driver compiles for newer GPUs. Hopper gets its own
+  sm_90 code rather than PTX compiled at load time (HOPPER.md of the device notes: code built for
+  an older target runs, but without Hopper's instructions). If nvcc is found and the compilation
+  fails, the install fails loudly rather than silently shipping a CPU-only package.
 - `build_info.json`: which backends were built, with which compiler, and why not.
 
 The CPU library is built for the baseline x86-64 (or any other architecture); its AVX2 and
@@ -18,6 +21,8 @@ Rebuild in the source tree after editing kernels/: `python setup.py build_kernel
 
 Environment:
   QTOOL_NO_CUDA=1   skip the CUDA library even when nvcc is available.
+  QTOOL_CUDA_ARCHS  compute capabilities to build SASS for, e.g. `90` (a quicker build for a
+                    Hopper-only machine) or `80;90;100`; PTX is added for the last one.
   CXX               host C++ compiler for the CPU library (default g++).
 
 A plain C interface loaded with ctypes keeps the build free of torch, CuPy and pybind. Editable
@@ -47,7 +52,10 @@ BUILD_INFO = "build_info.json"
 # -ffp-contract=off: no FMA contraction of the shared math (the SIMD kernels use FMA only where
 # cpu_simd.h proves the bin is unchanged).
 CXX_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-pthread", "-ffp-contract=off"]
-# -fmad=false: no FMA contraction, so device math matches the host bit for bit.
+# -fmad=false: no FMA contraction anywhere in the device code. The shared math does not rely on it
+# (qt_math.h writes its operations as _rn intrinsics, which are never contracted), but any other
+# float expression added later then rounds as the host's does. --threads 0: one nvcc thread per
+# target architecture.
 NVCC_FLAGS = [
     "-O3",
     "-std=c++17",
@@ -55,13 +63,30 @@ NVCC_FLAGS = [
     "-Xcompiler",
     "-fPIC,-ffp-contract=off",
     "-fmad=false",
-    "-gencode",
-    "arch=compute_80,code=sm_80",
-    "-gencode",
-    "arch=compute_90,code=sm_90",
-    "-gencode",
-    "arch=compute_90,code=compute_90",
+    "--threads",
+    "0",
 ]
+DEFAULT_CUDA_ARCHS = "80;90"
+
+
+def cuda_archs() -> list[str]:
+    """$QTOOL_CUDA_ARCHS as compute capabilities ("90"), in build order; an error when malformed."""
+    raw = os.environ.get("QTOOL_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+    archs = [a.strip() for a in raw.replace(",", ";").split(";") if a.strip()]
+    if not archs or not all(a.isdigit() and len(a) in (2, 3) for a in archs):
+        raise RuntimeError(f"QTOOL_CUDA_ARCHS={raw!r}: expected compute capabilities like '80;90'")
+    return archs
+
+
+def gencode_flags(archs: list[str]) -> tuple[list[str], list[str]]:
+    """nvcc -gencode flags (SASS per arch, PTX of the last) and the names build_info records."""
+    flags, names = [], []
+    for arch in archs:
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        names.append(f"sm_{arch}")
+    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    names.append(f"compute_{archs[-1]}")
+    return flags, names
 
 
 def _find_nvcc() -> str | None:
@@ -144,12 +169,14 @@ class BuildKernels(Command):
         elif nvcc is None:
             info["cuda"] = {"built": False, "reason": "nvcc not found (PATH, CUDA_HOME)"}
         else:
-            _run([nvcc, *NVCC_FLAGS, "kernels/cuda.cu", "-o", str(out / CUDA_LIB)], CUDA_LIB)
+            gencode, archs = gencode_flags(cuda_archs())
+            cmd = [nvcc, *NVCC_FLAGS, *gencode, "kernels/cuda.cu", "-o", str(out / CUDA_LIB)]
+            _run(cmd, CUDA_LIB)
             info["cuda"] = {
                 "built": True,
                 "library": CUDA_LIB,
                 "compiler": _version(nvcc),
-                "archs": ["sm_80", "sm_90", "compute_90"],
+                "archs": archs,
             }
         (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
 

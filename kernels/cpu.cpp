@@ -124,16 +124,12 @@ BinParams make_params(float half_range, int64_t nbins) {
   p.vector_ok = nbins <= (int64_t(1) << 30);
   p.half = static_cast<int32_t>(p.vector_ok ? nbins / 2 : 0);
   p.last = static_cast<int32_t>(p.vector_ok ? nbins - 1 : 0);
-  int e = 0;
-  const bool pow2_range = frexpf(half_range, &e) == 0.5f;  // R = 2^(e-1)
-  int b = 0;
-  while (b < 62 && (int64_t(1) << b) < nbins) ++b;
-  const int k = e - 1, c = b - 1 - k;
-  if (pow2_range && (int64_t(1) << b) == nbins && b >= 2 && b <= 28 && c >= -126 && c <= 127) {
+  const QtPow2Bins g = qt_pow2_bins(half_range, nbins);  // shared with the CUDA kernels
+  if (g.ok) {
     p.float_path = true;
-    p.f_scale = ldexpf(1.0f, c);
-    p.f_bias = ldexpf(1.0f, b - 55);
-    p.f_half = static_cast<float>(nbins / 2);
+    p.f_scale = g.scale;
+    p.f_bias = g.bias;
+    p.f_half = g.half_f;
   }
   return p;
 }

@@ -5,8 +5,14 @@
 // reductions. That is why the CPU tests (which run everywhere) check the same math the GPU runs;
 // the GPU tests then only have to check the reductions.
 //
-// Floating point: bin indices are computed in double from the float input, both compilers are run
-// with FMA contraction off, so CPU and GPU histograms are bit-identical.
+// Floating point: every operation that decides a number is one correctly rounded IEEE operation,
+// written through the qt_fadd/qt_fmul/... helpers below. On the host they are the plain operators
+// (the library is built with -ffp-contract=off); on the device they are the _rn intrinsics, which
+// nvcc never contracts into an FMA whatever -fmad says (it contracts a*b+c by default, and one
+// rounding instead of two changes the last bit). Fused multiply-adds appear only where a formula
+// is proven to need exactly one rounding (qt_fma, the power-of-two histogram bins). That is why
+// CPU and GPU histograms, min/max, MSE errors and block searches are bit-identical; the KL search
+// is not, because libm's log and CUDA's log may differ in the last bit.
 #ifndef QTOOL_QT_MATH_H
 #define QTOOL_QT_MATH_H
 
@@ -23,6 +29,27 @@
 // folded outliers land on an empty last bin (or the kept range is empty); the floor turns that
 // into a large finite penalty instead of an infinite divergence.
 #define QT_KL_EPS 1e-10
+
+// ---------------------------------------------------------------------------------------------
+// correctly rounded arithmetic, never contracted (see the top of the file)
+// ---------------------------------------------------------------------------------------------
+
+#ifdef __CUDA_ARCH__
+#define QT_RN_OP(host_expr, device_call) return device_call
+#else
+#define QT_RN_OP(host_expr, device_call) return host_expr
+#endif
+QT_HD inline float qt_fadd(float a, float b) { QT_RN_OP(a + b, __fadd_rn(a, b)); }
+QT_HD inline float qt_fsub(float a, float b) { QT_RN_OP(a - b, __fsub_rn(a, b)); }
+QT_HD inline float qt_fmul(float a, float b) { QT_RN_OP(a * b, __fmul_rn(a, b)); }
+QT_HD inline float qt_fdiv(float a, float b) { QT_RN_OP(a / b, __fdiv_rn(a, b)); }
+QT_HD inline double qt_dadd(double a, double b) { QT_RN_OP(a + b, __dadd_rn(a, b)); }
+QT_HD inline double qt_dsub(double a, double b) { QT_RN_OP(a - b, __dsub_rn(a, b)); }
+QT_HD inline double qt_dmul(double a, double b) { QT_RN_OP(a * b, __dmul_rn(a, b)); }
+QT_HD inline double qt_ddiv(double a, double b) { QT_RN_OP(a / b, __ddiv_rn(a, b)); }
+// a*b+c rounded once (glibc's fmaf is exact on every CPU, with or without an FMA unit).
+QT_HD inline float qt_fma(float a, float b, float c) { QT_RN_OP(fmaf(a, b, c), __fmaf_rn(a, b, c)); }
+#undef QT_RN_OP
 
 // True for finite values. `v - v` is NaN for NaN and +-Inf and exactly 0 otherwise; this avoids
 // the host/device differences of isfinite() overloads (valid as long as no -ffast-math is used).
@@ -101,10 +128,56 @@ QT_HD inline double qt_hist_scale(int64_t nbins, float half_range) {
 // Returns -1 for non-finite values, which are not counted.
 QT_HD inline int64_t qt_hist_bin(float v, float half_range, double scale, int64_t nbins) {
   if (!qt_isfinite(v)) return -1;
-  double t = ((double)v + (double)half_range) * scale;
+  double t = qt_dmul(qt_dadd((double)v, (double)half_range), scale);
   if (t < 0.0) return 0;
   if (t >= (double)nbins) return nbins - 1;
   return (int64_t)t;  // t >= 0: truncation is floor
+}
+
+// The same bins in float32 for a power-of-two geometry, R = 2^k and nbins = 2^b (4 <= nbins <=
+// 2^28): for every finite v,
+//   qt_hist_bin(v) == min(floor(clamp(fma(v, 2^(b-1-k), 2^(b-55)), -nbins/2, nbins/2)) + nbins/2,
+//                         nbins - 1)
+// with the fma rounded once (cpu_simd.h's header proves it, check_float_bins.cpp checks every
+// float32 bit pattern). The observer's histograms always have this geometry (R doubles, nbins is
+// 2 x calibration.bins), so the CPU's vector lanes and the CUDA kernels avoid double arithmetic.
+struct QtPow2Bins {
+  bool ok;       // the geometry qualifies; otherwise use qt_hist_bin
+  float scale;   // 2^(b-1-k)
+  float bias;    // 2^(b-55)
+  float half_f;  // nbins / 2
+  int32_t half;  // nbins / 2
+  int32_t last;  // nbins - 1
+};
+
+QT_HD inline QtPow2Bins qt_pow2_bins(float half_range, int64_t nbins) {
+  QtPow2Bins g;
+  g.ok = false;
+  g.scale = g.bias = g.half_f = 0.0f;
+  g.half = g.last = 0;
+  int e = 0;
+  const bool pow2_range = half_range > 0.0f && frexpf(half_range, &e) == 0.5f;  // R = 2^(e-1)
+  int b = 0;
+  while (b < 62 && ((int64_t)1 << b) < nbins) ++b;
+  const int k = e - 1, c = b - 1 - k;
+  if (pow2_range && ((int64_t)1 << b) == nbins && b >= 2 && b <= 28 && c >= -126 && c <= 127) {
+    g.ok = true;
+    g.scale = ldexpf(1.0f, c);
+    g.bias = ldexpf(1.0f, b - 55);
+    g.half_f = (float)(nbins / 2);
+    g.half = (int32_t)(nbins / 2);
+    g.last = (int32_t)(nbins - 1);
+  }
+  return g;
+}
+
+// qt_hist_bin(v) for a finite v when g.ok. Also defined for +-Inf and NaN (an edge bin, which
+// callers discard), so a kernel can compute it without a branch. fminf/fmaxf clamp exactly as the
+// CPU's MINPS/MAXPS do for every non-NaN t.
+QT_HD inline int32_t qt_hist_bin_pow2(float v, const QtPow2Bins& g) {
+  const float t = fminf(fmaxf(qt_fma(v, g.scale, g.bias), -g.half_f), g.half_f);
+  const int32_t bin = (int32_t)floorf(t) + g.half;
+  return bin < g.last ? bin : g.last;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -141,7 +214,7 @@ QT_HD inline double qt_kl_log_q(const int64_t* prefix, const int64_t* prefix_nz,
   const int64_t e = qt_kl_group_start(g + 1, i, num_levels);
   const int64_t gsum = prefix[e] - prefix[s];
   const int64_t gnz = prefix_nz[e] - prefix_nz[s];
-  double q = gnz > 0 ? ((double)gsum / (double)gnz) / (double)prefix[i] : 0.0;
+  double q = gnz > 0 ? qt_ddiv(qt_ddiv((double)gsum, (double)gnz), (double)prefix[i]) : 0.0;
   if (q < QT_KL_EPS) q = QT_KL_EPS;
   return log(q);
 }
@@ -158,7 +231,7 @@ QT_HD inline double qt_kl_group_term(const int64_t* prefix, const int64_t* prefi
   const double total = (double)prefix[nbins];
   const double hl = prefix_hlogh[e] - prefix_hlogh[s];
   const double lq = qt_kl_log_q(prefix, prefix_nz, g, i, num_levels);
-  return (hl - (double)h * (log(total) + lq)) / total;
+  return qt_ddiv(qt_dsub(hl, qt_dmul((double)h, qt_dadd(log(total), lq))), total);
 }
 
 // Contribution of bin i-1, which holds its own count plus all outliers sum(hist[i:]).
@@ -168,10 +241,10 @@ QT_HD inline double qt_kl_last_term(const int64_t* hist, const int64_t* prefix,
   const int64_t total = prefix[nbins];
   const int64_t pc = hist[i - 1] + (total - prefix[i]);
   if (pc <= 0) return 0.0;
-  const double p = (double)pc / (double)total;
+  const double p = qt_ddiv((double)pc, (double)total);
   const double lq = hist[i - 1] > 0 ? qt_kl_log_q(prefix, prefix_nz, num_levels - 1, i, num_levels)
                                     : log(QT_KL_EPS);
-  return p * (log(p) - lq);
+  return qt_dmul(p, qt_dsub(log(p), lq));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,16 +257,16 @@ QT_HD inline double qt_kl_last_term(const int64_t* hist, const int64_t* prefix,
 // Squared error of bin j's centre at threshold t, weighted by the bin count.
 QT_HD inline double qt_mse_term(int64_t count, int64_t j, int64_t t, int64_t num_steps) {
   if (count == 0) return 0.0;
-  const double c = (double)j + 0.5;
+  const double c = qt_dadd((double)j, 0.5);
   double d;
   if (c >= (double)t) {
-    d = c - (double)t;
+    d = qt_dsub(c, (double)t);
   } else {
-    const double step = (double)t / (double)num_steps;
-    const double q = floor(c / step + 0.5) * step;
-    d = c - q;
+    const double step = qt_ddiv((double)t, (double)num_steps);
+    const double q = qt_dmul(floor(qt_dadd(qt_ddiv(c, step), 0.5)), step);
+    d = qt_dsub(c, q);
   }
-  return (double)count * d * d;
+  return qt_dmul(qt_dmul((double)count, d), d);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -264,21 +337,21 @@ QT_HD inline void qt_block_range_step(float v, float& lo, float& hi) {
 
 QT_HD inline QtBlockQuant qt_block_quant_params(float lo, float hi, float factor, float qmin,
                                                 float qmax, bool symmetric) {
-  const float l = lo * factor, h = hi * factor;
+  const float l = qt_fmul(lo, factor), h = qt_fmul(hi, factor);
   QtBlockQuant p;
   float s;
   if (symmetric) {
-    const float a = l / qmin, b = h / qmax;
+    const float a = qt_fdiv(l, qmin), b = qt_fdiv(h, qmax);
     s = a > b ? a : b;
   } else {
-    s = (h - l) / (qmax - qmin);
+    s = qt_fdiv(qt_fsub(h, l), qt_fsub(qmax, qmin));
   }
   s = s > 0.0f ? (s > QT_BLOCK_MIN_SCALE ? s : QT_BLOCK_MIN_SCALE) : 1.0f;
   p.scale = s;
   if (symmetric) {
     p.zero = 0.0f;
   } else {
-    float z = qt_rint(-l / s);
+    float z = qt_rint(qt_fdiv(-l, s));
     z = z > qmin ? z : qmin;
     p.zero = z < qmax ? z : qmax;
   }
@@ -287,14 +360,14 @@ QT_HD inline QtBlockQuant qt_block_quant_params(float lo, float hi, float factor
 
 // The integer level of v (as a float): clip(rint(v / s) + z, qmin, qmax).
 QT_HD inline float qt_block_level(float v, QtBlockQuant p, float qmin, float qmax) {
-  float q = qt_rint(v / p.scale) + p.zero;
+  float q = qt_fadd(qt_rint(qt_fdiv(v, p.scale)), p.zero);
   q = q > qmin ? q : qmin;
   return q < qmax ? q : qmax;
 }
 
 QT_HD inline double qt_block_sq_error(float v, QtBlockQuant p, float qmin, float qmax) {
-  const float d = (qt_block_level(v, p, qmin, qmax) - p.zero) * p.scale - v;
-  return (double)d * (double)d;
+  const float d = qt_fsub(qt_fmul(qt_fsub(qt_block_level(v, p, qmin, qmax), p.zero), p.scale), v);
+  return qt_dmul((double)d, (double)d);
 }
 
 #endif  // QTOOL_QT_MATH_H

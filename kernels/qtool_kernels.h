@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define QT_ABI_VERSION 3
+#define QT_ABI_VERSION 4
 
 #define QT_OK 0
 #define QT_ERR_EMPTY 1       /* zero elements / zero channels */
@@ -115,6 +115,18 @@ int qt_cuda_histogram_accumulate(const float* x, int64_t n, float half_range, in
 int qt_cuda_observe(const float* x, int64_t n, float half_range, int64_t* counts, int64_t nbins,
                     float* out_min, float* out_max, int64_t* out_nonfinite,
                     int32_t* out_accumulated, void* stream);
+/* Designs of the observe pass (used by qt_cuda_observe, qt_cuda_tensor_minmax and
+   qt_cuda_histogram_accumulate), all with identical results; they exist so that one run on a GPU
+   can time each (benchmarks/gpu_observe.py). Process-wide, like qt_cpu_set_isa.
+   qt_cuda_variant_name returns NULL outside [0, qt_cuda_variant_count()). */
+#define QT_CUDA_VARIANT_DEFAULT (-1)
+int qt_cuda_variant_count(void);
+const char* qt_cuda_variant_name(int variant);
+int qt_cuda_set_variant(int variant); /* QT_CUDA_VARIANT_DEFAULT: the built-in default */
+int qt_cuda_get_variant(void);
+int qt_cuda_default_variant(void);
+/* Blocks per multiprocessor of the fused designs' grid, 0 (default): as many as fit at once. */
+int qt_cuda_set_blocks_per_sm(int blocks);
 int qt_cuda_kl_divergences(const int64_t* hist, int64_t nbins, int64_t num_levels, double* out,
                            void* stream);
 int qt_cuda_kl_threshold(const int64_t* hist, int64_t nbins, int64_t num_levels,

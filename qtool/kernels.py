@@ -2,10 +2,11 @@
 
 The libraries are built at install time (see setup.py) and loaded with ctypes on first use, so
 importing qtool never needs a compiler, torch or CuPy. `device="cpu"` runs libqtool_cpu.so;
-`device="cuda"` copies the inputs to the GPU, runs libqtool_cuda.so and copies results back.
-Both backends share the math header kernels/qt_math.h, so they agree bit for bit on histograms,
-min/max, block MSE searches and chosen thresholds (up to floating-point summation order in the
-histogram searches).
+`device="cuda"` copies the inputs to the GPU, runs libqtool_cuda.so and copies results back
+(`observe_on_device` runs on memory already there). Both backends share the math header
+kernels/qt_math.h, so they agree bit for bit on histograms, min/max, MSE errors and thresholds
+and block MSE searches; KL divergences differ in the last bits (libm's log and CUDA's differ)
+and may pick another candidate only on such a near-tie.
 
 A missing CPU library is an error (reinstall), never a silent numpy fallback: calibration
 results must come from one implementation.
@@ -34,7 +35,7 @@ CPU_LIB = LIB_DIR / "libqtool_cpu.so"
 CUDA_LIB = LIB_DIR / "libqtool_cuda.so"
 BUILD_INFO = LIB_DIR / "build_info.json"
 
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _OK = 0
 _STATUS = {
     1: "empty input",
@@ -100,6 +101,11 @@ _CUDA_SIGNATURES: dict[str, list[Any]] = {
         *[_vp, _i64, _i64, _i64, _i32, _i32, _i32, _vp, _i64],
         *[_vp, _vp, _vp, _vp, _vp],
     ],
+    "qt_cuda_variant_count": [],
+    "qt_cuda_set_variant": [ctypes.c_int],
+    "qt_cuda_get_variant": [],
+    "qt_cuda_default_variant": [],
+    "qt_cuda_set_blocks_per_sm": [ctypes.c_int],
 }
 
 _lock = threading.Lock()
@@ -173,6 +179,8 @@ def _probe_cuda() -> tuple[ctypes.CDLL | None, str]:
         try:
             lib = ctypes.CDLL(str(CUDA_LIB))
             _bind(lib, _CUDA_SIGNATURES, "qt_cuda_status_string")
+            lib.qt_cuda_variant_name.argtypes = [ctypes.c_int]
+            lib.qt_cuda_variant_name.restype = ctypes.c_char_p
         except (OSError, AttributeError) as exc:
             _cuda_state = f"built, cannot load: {exc}"
             return None, _cuda_state
@@ -351,6 +359,65 @@ def set_cpu_threads(threads: int | None) -> None:
     if threads is not None and not 1 <= n <= 64:
         raise KernelError(f"threads must be from 1 to 64, got {threads}")
     _load_cpu().qt_cpu_set_num_threads(n)
+
+
+def cuda_variants() -> list[str]:
+    """Names of the CUDA observe designs (kernels/cuda.cu), index order. Every design computes
+    the same results; they exist so that one GPU run can time them all (benchmarks/
+    gpu_observe.py) and the tests can check each against the CPU."""
+    lib = _cuda_lib()
+    return [lib.qt_cuda_variant_name(i).decode() for i in range(lib.qt_cuda_variant_count())]
+
+
+def cuda_variant() -> str:
+    """The design observe, tensor_minmax and histogram_accumulate use on CUDA now."""
+    lib = _cuda_lib()
+    return lib.qt_cuda_variant_name(lib.qt_cuda_get_variant()).decode()
+
+
+def default_cuda_variant() -> str:
+    """The built-in default design (benchmarks/README.md, GPU section, says how it was chosen)."""
+    lib = _cuda_lib()
+    return lib.qt_cuda_variant_name(lib.qt_cuda_default_variant()).decode()
+
+
+def set_cuda_variant(name: str | None, blocks_per_sm: int = 0) -> None:
+    """Use design `name` for the whole process (None: the default) with `blocks_per_sm` blocks
+    per multiprocessor (0: as many as fit at once). For tests and benchmarks."""
+    lib = _cuda_lib()
+    names = cuda_variants()
+    if name is not None and name not in names:
+        raise KernelError(f"unknown CUDA variant {name!r}: expected one of {', '.join(names)}")
+    if not 0 <= int(blocks_per_sm) <= 64:
+        raise KernelError(f"blocks_per_sm must be from 0 to 64, got {blocks_per_sm}")
+    lib.qt_cuda_set_variant(-1 if name is None else names.index(name))
+    lib.qt_cuda_set_blocks_per_sm(int(blocks_per_sm))
+
+
+def observe_on_device(
+    x_ptr: int,
+    n: int,
+    half_range: float,
+    counts_ptr: int,
+    nbins: int,
+    out_ptr: int,
+    stream: int | None = None,
+) -> None:
+    """kernels.observe on device memory the caller owns (a torch CUDA tensor's data_ptr()), with
+    no copies and no synchronisation: x float32 [n], counts int64 [nbins], out 24 bytes that
+    receive float min, float max, int64 non-finite count and int32 accumulated (as `observe`
+    returns them) once `stream` (a cudaStream_t; None: the default stream) has run."""
+    lib = _cuda_lib()
+    r = float(np.float32(half_range))
+    if not np.isfinite(r) or r < 0.0:
+        raise KernelError(f"observe_on_device: half_range must be finite and >= 0: {half_range}")
+    status = lib.qt_cuda_observe(
+        x_ptr, int(n), r, counts_ptr, int(nbins), out_ptr, out_ptr + 4, out_ptr + 8, out_ptr + 16,
+        stream,
+    )  # fmt: skip
+    if status != _OK:
+        msg = lib.qt_cuda_status_string(status).decode(errors="replace")
+        raise KernelError(f"observe_on_device: CUDA kernel failed: {msg}")
 
 
 def tensor_minmax(x: np.ndarray, device: str = "cpu") -> tuple[float, float, int]:

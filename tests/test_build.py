@@ -113,3 +113,101 @@ def test_failing_nvcc_fails_the_build(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "libqtool_cuda.so failed" in proc.stdout + proc.stderr
     assert "simulated compile error" in proc.stdout + proc.stderr
+
+
+def _fake_tool(folder: Path, name: str, log: Path) -> None:
+    """A stand-in compiler: logs its arguments, creates the file named after -o, answers
+    --version. Keeps a build test to the seconds its Python logic needs."""
+    script = folder / name
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {log}\n'
+        'if [ "$1" = "--version" ]; then echo "fake release 0.0"; exit 0; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n'
+    )
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    "archs,want",
+    [("90", ["sm_90", "compute_90"]), ("80;90", ["sm_80", "sm_90", "compute_90"]), (None, None)],
+)
+def test_cuda_archs_choose_sass_and_ptx(tmp_path: Path, archs: str | None, want) -> None:
+    """QTOOL_CUDA_ARCHS picks the SASS targets, PTX comes for the last; the default is A100 and
+    Hopper (sm_80, sm_90) with compute_90 PTX, so an H100/H200 runs its own machine code."""
+    fake_bin, log = tmp_path / "bin", tmp_path / "calls.log"
+    fake_bin.mkdir()
+    _fake_tool(fake_bin, "nvcc", log)
+    _fake_tool(fake_bin, "fake-cxx", log)
+    env = {k: v for k, v in os.environ.items() if k not in ("QTOOL_NO_CUDA", "QTOOL_CUDA_ARCHS")}
+    env.update(PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}", CXX="fake-cxx")
+    if archs is not None:
+        env["QTOOL_CUDA_ARCHS"] = archs
+    proc = _pip_wheel(_project_copy(tmp_path), tmp_path / "dist", env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("qtool-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        info = json.loads(zf.read("qtool/_lib/build_info.json"))
+    want = want or ["sm_80", "sm_90", "compute_90"]
+    assert info["cuda"]["archs"] == want
+    (nvcc_call,) = [ln for ln in log.read_text().splitlines() if "kernels/cuda.cu" in ln]
+    for arch in want:
+        number = arch.split("_")[1]
+        code = f"arch=compute_{number},code={arch}"
+        assert code in nvcc_call
+    assert nvcc_call.count("code=sm_") == len(want) - 1
+    assert "-fmad=false" in nvcc_call
+
+
+def test_malformed_cuda_archs_fail_the_build(tmp_path: Path) -> None:
+    fake_bin, log = tmp_path / "bin", tmp_path / "calls.log"
+    fake_bin.mkdir()
+    _fake_tool(fake_bin, "nvcc", log)
+    _fake_tool(fake_bin, "fake-cxx", log)
+    env = {k: v for k, v in os.environ.items() if k != "QTOOL_NO_CUDA"}
+    env.update(
+        PATH=f"{fake_bin}{os.pathsep}{env.get('PATH', '')}", CXX="fake-cxx",
+        QTOOL_CUDA_ARCHS="sm90",
+    )  # fmt: skip
+    proc = _pip_wheel(_project_copy(tmp_path), tmp_path / "dist", env)
+    assert proc.returncode != 0
+    assert "QTOOL_CUDA_ARCHS='sm90'" in proc.stdout + proc.stderr
+
+
+# fused_observe_kernel<VEC, HIST, ZEROS, MATCH, POW2, SHARED> and lean_observe_kernel<HIST,
+# ZEROS, POW2> in the PTX's mangled names
+_FUSED = re.compile(r"fused_observe_kernelILi(\d)ELb(\d)ELb(\d)ELb(\d)ELb(\d)ELb(\d)EE")
+_LEAN = re.compile(r"lean_observe_kernelILb(\d)ELb(\d)ELb(\d)EE")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_exact_kernels_hold_no_fused_multiply_add(tmp_path: Path) -> None:
+    """The CUDA results equal the CPU's bit for bit only if no a*b+c is rounded once where the CPU
+    rounds twice. nvcc contracts by default (-fmad=true); the shared math writes its operations
+    as _rn intrinsics, which it never contracts. Compiled here WITHOUT -fmad=false, the PTX of
+    every kernel whose result must be exact holds no fma at all. The observe kernels with float32
+    power-of-two bins hold the one fma per value that qt_hist_bin_pow2 asks for (qt_fma, exact by
+    design); their instantiations with double bins, identical but for that formula, hold none, so
+    no other expression of theirs was contracted. Runs wherever nvcc is, no GPU needed."""
+    ptx = tmp_path / "cuda.ptx"
+    cmd = ["nvcc", "-std=c++17", "-O3", "-arch=compute_90", "-ptx", "kernels/cuda.cu", "-o", ptx]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = ptx.read_text()
+    entries = re.split(r"\.entry ", text)[1:]
+    bodies = {e.split("(", 1)[0]: e for e in entries}
+    exact = ["block_mse_kernel", "mse_kernel", "histogram_shared_kernel", "minmax_partial_kernel"]
+    for short in exact:
+        (name,) = [n for n in bodies if re.search(rf"\d{short}E", n)]
+        assert "fma.rn" not in bodies[name], short
+    fused = {n: _FUSED.search(n).groups() for n in bodies if _FUSED.search(n)}
+    assert len(fused) >= 8
+    lean = {n: _LEAN.search(n).groups() for n in bodies if _LEAN.search(n)}
+    assert len(lean) >= 4
+    kinds = [(name, (g[1], g[4])) for name, g in fused.items()]  # (hist, pow2)
+    kinds += [(name, (g[0], g[2])) for name, g in lean.items()]
+    for name, (hist, pow2) in kinds:
+        f32 = bodies[name].count("fma.rn.f32")
+        assert "fma.rn.f64" not in bodies[name], name
+        # at least one per value read in the unrolled loop (4 float4 = 16, or 4 floats)
+        assert (f32 >= 4) if hist == "1" and pow2 == "1" else f32 == 0, (name, f32)

@@ -163,11 +163,13 @@ class LearnedWeightQuantizer(nn.Module):
         return dequantized.t() if self.transposed else dequantized
 
     def stored_form(self, weight: torch.Tensor) -> BlockwiseWeight:
+        """The BlockwiseWeight this quantizer computes (copied to the host: the module may have
+        trained on a GPU)."""
         with torch.no_grad():
-            codes = self._codes(weight)[0].numpy()
-        scale = self.scale.detach().numpy().astype(np.float32)
+            codes = self._codes(weight)[0].cpu().numpy()
+        scale = self.scale.detach().cpu().numpy().astype(np.float32)
         scale = np.where(np.abs(scale) < _MIN_SCALE, np.float32(_MIN_SCALE), scale)
-        zero = None if self.symmetric else self.zero_point.numpy().astype(np.uint8)
+        zero = None if self.symmetric else self.zero_point.cpu().numpy().astype(np.uint8)
         dtype = np.int8 if self.symmetric else np.uint8
         return BlockwiseWeight(
             codes.astype(dtype), scale, zero, self.bits, self.axis, self.block_size

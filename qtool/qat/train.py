@@ -84,8 +84,38 @@ def make_loss(loss: str | None, distill: bool) -> tuple[Callable, str]:
 
 
 @contextlib.contextmanager
+def _ieee_float32() -> Iterator[None]:
+    """float32 convolutions and matrix products in full float32 on CUDA, not TF32 (cuDNN's
+    default for convolutions): TF32 rounds the operands to 10-bit mantissas, so a CUDA rank would
+    train another function than the float32 model ONNX Runtime runs, ~1e-3 apart instead of
+    float32 rounding. Set through the allow_tf32 flags, which every torch has and which newer
+    ones (>= 2.9) keep consistent with their per-backend fp32_precision settings; where the
+    process has set those apart (reading allow_tf32 is then an error), through them instead."""
+    backends = torch.backends
+    try:
+        saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+    except RuntimeError:  # torch >= 2.9 with conv / rnn precisions set apart
+        flags = [backends.cudnn.conv, backends.cudnn.rnn, backends.cuda.matmul]
+        precisions = [f.fp32_precision for f in flags]
+        for f in flags:
+            f.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for f, value in zip(flags, precisions, strict=True):
+                f.fp32_precision = value
+        return
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = saved
+
+
+@contextlib.contextmanager
 def deterministic(seed: int) -> Iterator[None]:
-    """Seeded, single-threaded, deterministic torch; the previous settings come back after."""
+    """Seeded, single-threaded, deterministic torch in full float32 (no TF32 on CUDA); the
+    previous settings come back after."""
     # cuBLAS refuses deterministic mode without a fixed workspace (a CUDA rank under NCCL)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     threads = torch.get_num_threads()
@@ -94,10 +124,48 @@ def deterministic(seed: int) -> Iterator[None]:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        yield
+        with _ieee_float32():
+            yield
     finally:
         torch.use_deterministic_algorithms(was)
         torch.set_num_threads(threads)
+
+
+def make_optimizer(parameters: list, name: str, lr: float) -> torch.optim.Optimizer:
+    """The recipe's optimizer: SGD with momentum 0.9, or Adam."""
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    return torch.optim.Adam(parameters, lr=lr)
+
+
+def batch_loss(forward, loss_fn: Callable, feeds: list[np.ndarray], targets, device=None):
+    """The loss of one batch (numpy feeds, moved to `device` when given; targets follow the
+    outputs' device in loss_fn)."""
+    tensors = [torch.from_numpy(f) for f in feeds]
+    if device is not None:
+        tensors = [t.to(device) for t in tensors]
+    return loss_fn(outputs_tuple(forward(*tensors)), targets)
+
+
+def apply_step(optimizer: torch.optim.Optimizer, loss, weight: float = 1.0) -> None:
+    """Backward of `loss` (times a DDP rank's `weight`, see rank_rows) and one optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    (loss if weight == 1.0 else loss * weight).backward()
+    optimizer.step()
+
+
+def train_step(
+    forward, optimizer: torch.optim.Optimizer, loss_fn: Callable, feeds: list[np.ndarray],
+    targets, device=None,
+) -> float:  # fmt: skip
+    """One training step as `train` takes it, on the device the model is on (`device`: where the
+    feeds go): forward, loss, backward, optimizer step. Returns the loss. The same step on "cpu"
+    and "cuda" is what tests/gpu/test_qat_cuda.py compares."""
+    loss = batch_loss(forward, loss_fn, feeds, targets, device)
+    if not torch.isfinite(loss):
+        raise RecipeError(f"qat: the loss became {float(loss)} (lower qat.lr)")
+    apply_step(optimizer, loss)
+    return float(loss.detach())
 
 
 def batch_order(size: int, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
@@ -218,21 +286,22 @@ def train(
     resume: bool,
     progress: bool,
     group: Group | None = None,
+    device=None,
 ) -> History:
     """Train `model` in place for the epochs not done yet; checkpoint after each one. Under
-    torchrun, `group`'s ranks split each global batch of batch_size x W rows (see top)."""
+    torchrun, `group`'s ranks split each global batch of batch_size x W rows (see top) on their
+    CUDA device under NCCL; in one process `device` ("cuda") trains there instead of the CPU.
+    The model is back on the CPU when this returns."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     group = group or Group()
     if len(data) == 0:
         raise DataError("qat: the training data holds no samples")
-    if group.device is not None:
-        model.to(group.device)
+    device = group.device if group.device is not None else device
+    if device is not None:
+        model.to(device)
     parameters = [p for p in model.parameters() if p.requires_grad]
-    if optimizer_name == "sgd":
-        optimizer = torch.optim.SGD(parameters, lr=lr, momentum=0.9)
-    else:
-        optimizer = torch.optim.Adam(parameters, lr=lr)
+    optimizer = make_optimizer(parameters, optimizer_name, lr)
     history = History()
     if resume:
         path, content = _read_checkpoint(output_dir, group)
@@ -257,18 +326,14 @@ def train(
             total, count = 0.0, 0
             for batch in batch_order(len(data), global_batch, seed, epoch):
                 rows, weight = rank_rows(batch, group)
-                feeds = [torch.from_numpy(data.inputs[n][rows]) for n in names]
-                if group.device is not None:
-                    feeds = [f.to(group.device) for f in feeds]
-                loss = loss_fn(outputs_tuple(forward(*feeds)), _targets(data, rows))
+                feeds = [data.inputs[n][rows] for n in names]
+                loss = batch_loss(forward, loss_fn, feeds, _targets(data, rows), device)
                 if not torch.isfinite(loss):
                     raise RecipeError(
                         f"qat: the loss became {float(loss)} in epoch {epoch + 1}"
                         f"{group.describe()} (lower qat.lr)"
                     )
-                optimizer.zero_grad(set_to_none=True)
-                (loss if group.world == 1 else loss * weight).backward()
-                optimizer.step()
+                apply_step(optimizer, loss, 1.0 if group.world == 1 else weight)
                 if weight:
                     total += float(loss.detach()) * len(rows)
                     count += len(rows)
@@ -280,6 +345,6 @@ def train(
             if group.primary:
                 _save(checkpoint_path(output_dir, epoch + 1), model, optimizer, history, identity)
             group.barrier("waiting for rank 0's checkpoint")
-    if group.device is not None:
+    if device is not None:
         model.cpu()
     return history

@@ -2,6 +2,10 @@
 
 Everything under tests/gpu/ gets the `gpu` marker and is skipped with the backend's own
 explanation (e.g. "not built: nvcc not found", "built, no CUDA device visible") elsewhere.
+
+A test that takes the `cuda_variant` fixture runs once per CUDA observe design (kernels/cuda.cu:
+every design must give the CPU's results bit for bit), with the design set for the process and
+the default restored after.
 """
 
 from __future__ import annotations
@@ -15,8 +19,26 @@ import qtool.kernels as k
 _HERE = Path(__file__).resolve().parent
 
 
+def _usable() -> bool:
+    return k.backends()["cuda"].startswith("loaded")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs the CUDA kernel backend and a device")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cuda_variant" in metafunc.fixturenames:
+        # without a device the tests are skipped anyway; one placeholder keeps them collected
+        names = k.cuda_variants() if _usable() else ["no-cuda"]
+        metafunc.parametrize("cuda_variant", names, indirect=True)
+
+
+@pytest.fixture
+def cuda_variant(request: pytest.FixtureRequest):
+    k.set_cuda_variant(request.param)
+    yield request.param
+    k.set_cuda_variant(None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
