@@ -36,7 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from benchmarks.calibration import machine_info, save_json
-from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS
+from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS, Algorithms
 from qtool.app.common import prepare
 from qtool.app.quantize import quantize
 from qtool.config.recipe import Recipe, load_recipe, read_algorithms
@@ -251,7 +251,7 @@ def split_spec(item: str) -> tuple[str, dict]:
     return name, params
 
 
-def resolve_algorithms(algorithms: tuple[str, ...]) -> tuple[tuple[str, dict], ...]:
+def resolve_algorithms(algorithms: tuple[str, ...]) -> Algorithms:
     """The recipe's `quantization.algorithms` for one set: defaults, then the set's parameters,
     validated as a recipe's are (RecipeError names `--algorithms` and the key)."""
     return read_algorithms(dict(split_spec(item) for item in algorithms), "--algorithms")
@@ -286,10 +286,7 @@ def parse_algorithm_sets(text: str) -> list[tuple[str, ...]]:
 def with_algorithms(recipe: Recipe, algorithms: tuple[str, ...]) -> Recipe:
     """The recipe with exactly `algorithms` on, each at its documented defaults unless the set
     names a parameter (`name[key=value]`)."""
-    chosen = resolve_algorithms(algorithms)
-    return dataclasses.replace(
-        recipe, quantization=dataclasses.replace(recipe.quantization, algorithms=chosen)
-    )
+    return dataclasses.replace(recipe, algorithms=resolve_algorithms(algorithms))
 
 
 # --------------------------------------------------------------------------- one run

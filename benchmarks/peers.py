@@ -272,7 +272,7 @@ def run_qtool_variant(
         if spec.algorithms is not None:
             recipe = with_algorithms(recipe, spec.algorithms)
         run["method"] = recipe.calibration.method
-        run["algorithms"] = [name for name, _ in recipe.quantization.algorithms]
+        run["algorithms"] = list(recipe.algorithms.names())
         run["settings"] = {
             "recipe": str(spec.recipe.relative_to(REPO)),
             "method": recipe.calibration.method,

@@ -415,7 +415,7 @@ def test_pair_safe_weights_stay_pair_safe_on_avx2(runs) -> None:
 def test_adaround_then_bias_correction(digits, cli, tmp_path, runs) -> None:
     both = "    bias_correction: {samples: 128}\n" + ADAROUND
     recipe = _recipe(digits, "both.yaml", both)
-    assert load_recipe(recipe).quantization.algorithms[0][0] == "adaround"
+    assert load_recipe(recipe).algorithms.names()[0] == "adaround"
     result = cli("quantize", recipe, "-o", tmp_path, "--no-progress")
     assert result.exit_code == 0, result.output
     algorithms = json.loads((tmp_path / "report.json").read_text())["algorithms"]
@@ -482,7 +482,7 @@ def test_bad_parameters_are_one_line_recipe_errors(digits, cli, params, match) -
 
 
 def test_defaults_and_order() -> None:
-    from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS
+    from qtool.algorithms.spec import ALGORITHM_ORDER, ALGORITHM_PARAMS, AdaRoundParams
 
-    assert ALGORITHM_PARAMS["adaround"] == {"samples": 256, "iterations": 1000}
+    assert ALGORITHM_PARAMS["adaround"]() == AdaRoundParams(samples=256, iterations=1000)
     assert ALGORITHM_ORDER.index("adaround") < ALGORITHM_ORDER.index("bias_correction")

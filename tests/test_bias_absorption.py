@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 from benchmarks.accuracy import parse_algorithm_sets, with_algorithms
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
+from qtool.algorithms.spec import Algorithms, BiasCorrectionParams, CleParams
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
 from qtool.ort.sessions import create_session
@@ -224,13 +225,11 @@ def _recipe(tmp_path, params) -> object:
 
 def test_the_recipe_parameter_defaults_to_off_and_rejects_non_booleans(tmp_path):
     recipe = load_recipe(_recipe(tmp_path, {"samples": 64}))
-    assert recipe.quantization.algorithm("cross_layer_equalization") == {
-        "samples": 64,
-        "bias_absorption": False,
-        "through_clip": False,
-    }
+    assert recipe.algorithms.cross_layer_equalization == CleParams(
+        samples=64, bias_absorption=False, through_clip=False
+    )
     on = load_recipe(_recipe(tmp_path, {"bias_absorption": True}))
-    assert on.quantization.algorithm("cross_layer_equalization")["bias_absorption"] is True
+    assert on.algorithms.cross_layer_equalization.bias_absorption is True
     with pytest.raises(RecipeError) as caught:
         load_recipe(_recipe(tmp_path, {"bias_absorption": "yes please"}))
     message = str(caught.value)
@@ -245,12 +244,9 @@ def test_the_benchmark_spells_the_parameter_in_brackets(tmp_path):
     )
     assert sets == [("cross_layer_equalization[bias_absorption=true]", "bias_correction"), ()]
     recipe = with_algorithms(load_recipe(_recipe(tmp_path, {})), sets[0])
-    assert recipe.quantization.algorithms == (
-        (
-            "cross_layer_equalization",
-            {"samples": 512, "bias_absorption": True, "through_clip": False},
-        ),
-        ("bias_correction", {"samples": 256}),
+    assert recipe.algorithms == Algorithms(
+        cross_layer_equalization=CleParams(samples=512, bias_absorption=True, through_clip=False),
+        bias_correction=BiasCorrectionParams(samples=256),
     )
     with pytest.raises(argparse.ArgumentTypeError, match="bias_absorption: must be true or"):
         parse_algorithm_sets("cross_layer_equalization[bias_absorption=7]")

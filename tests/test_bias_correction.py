@@ -13,6 +13,7 @@ import pytest
 from onnx import numpy_helper
 
 from qtool.algorithms.bias_correction import bias_targets, measure_shifts
+from qtool.algorithms.spec import AdaRoundParams
 from qtool.config.recipe import load_recipe
 from qtool.data.batches import iter_batches
 from qtool.errors import RecipeError
@@ -95,10 +96,7 @@ def test_unknown_algorithms_and_bad_values_are_recipe_errors(digits):
     with pytest.raises(RecipeError, match=r"quantization.algorithms.bias_corection: unknown"):
         load_recipe(bad)
     bad.write_text("base: recipe.yaml\nquantization:\n  algorithms: [adaround]\n")
-    assert load_recipe(bad).quantization.algorithm("adaround") == {
-        "samples": 256,
-        "iterations": 1000,
-    }
+    assert load_recipe(bad).algorithms.adaround == AdaRoundParams(samples=256, iterations=1000)
     bad.write_text(
         "base: recipe.yaml\nquantization:\n  algorithms: {bias_correction: {samples: 0}}\n"
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qtool.algorithms.spec import SmoothQuantParams
 from qtool.config import presets
 from qtool.config.fingerprint import recipe_sha256
 from qtool.config.recipe import load_recipe
@@ -38,7 +39,7 @@ def test_a_preset_by_name_works_from_any_folder(folder: Path, monkeypatch) -> No
     monkeypatch.chdir(folder)
     loaded = load_recipe(write(folder, {"base": "int8-cnn", **OWN}))
     assert loaded.calibration.method == "mse"
-    assert [name for name, _ in loaded.quantization.algorithms] == ["bias_correction"]
+    assert loaded.algorithms.names() == ("bias_correction",)
     assert "int8-cnn" in presets.names() and presets.FOLDER.is_dir()
 
 
@@ -77,14 +78,14 @@ def test_null_removes_what_the_base_set(folder: Path) -> None:
 
 def test_empty_algorithms_remove_the_presets_algorithms(folder: Path) -> None:
     loaded = load_recipe(write(folder, {"base": "int8-transformer", **OWN}))
-    assert [name for name, _ in loaded.quantization.algorithms] == ["smoothquant"]
+    assert loaded.algorithms.names() == ("smoothquant",)
     off = {"base": "int8-transformer", **OWN, "quantization": {"algorithms": {}}}
-    assert load_recipe(write(folder, off, "off.yaml")).quantization.algorithms == ()
+    assert load_recipe(write(folder, off, "off.yaml")).algorithms.names() == ()
     # a mapping naming one algorithm merges into the preset's (it tunes, not replaces)
     tuned = {"base": "int8-transformer", **OWN}
     tuned["quantization"] = {"algorithms": {"smoothquant": {"alpha": 0.5}}}
-    params = dict(load_recipe(write(folder, tuned, "tuned.yaml")).quantization.algorithms)
-    assert params["smoothquant"] == {"alpha": 0.5, "rows": 512}
+    tuned_recipe = load_recipe(write(folder, tuned, "tuned.yaml"))
+    assert tuned_recipe.algorithms.smoothquant == SmoothQuantParams(alpha=0.5, rows=512)
 
 
 def test_the_hash_is_of_the_resolved_recipe(folder: Path, tmp_path_factory) -> None:

@@ -31,6 +31,7 @@ from qtool.algorithms.smoothquant import (
     smoothing_groups,
     smoothing_scale,
 )
+from qtool.algorithms.spec import BiasCorrectionParams, SmoothQuantParams
 from qtool.app.common import prepare
 from qtool.app.quantize import quantize
 from qtool.calibration.channels import (
@@ -399,7 +400,7 @@ def test_transformer_preset_quantizes_tables_and_smooths_at_the_recipes_opset(tm
         "output: {dir: out}\n"
     )
     recipe = load_recipe(path)
-    assert recipe.quantization.algorithm("smoothquant") == {"alpha": "auto", "rows": 512}
+    assert recipe.algorithms.smoothquant == SmoothQuantParams(alpha="auto", rows=512)
     result = quantize(recipe, progress=False)
     smoothing = result.report["algorithms"]["smoothquant"]
     assert smoothing["smoothed"] == 1
@@ -424,6 +425,6 @@ def test_cnn_preset_turns_on_bias_correction(tmp_path):
         "calibration: {data: {synthetic: true, samples: 8}}\n"
     )
     recipe = load_recipe(path)
-    assert recipe.quantization.algorithm("bias_correction") == {"samples": 256}
-    assert recipe.quantization.algorithm("smoothquant") is None
+    assert recipe.algorithms.bias_correction == BiasCorrectionParams(samples=256)
+    assert recipe.algorithms.smoothquant is None
     assert recipe.quantization.per_channel and recipe.calibration.method == "mse"

@@ -22,6 +22,7 @@ keeps that rounding, and the report says so.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,6 +50,7 @@ from qtool.algorithms.adaround import (
     weight_groups,
 )
 from qtool.algorithms.bias_correction import output_error
+from qtool.algorithms.spec import AdaRoundParams
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError, RecipeError
 from qtool.ort.cpu import CpuFeatures
@@ -374,7 +376,7 @@ def apply_adaround(
     cpu: CpuFeatures,
     saturation: str,
     batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
-    params: Mapping[str, int],
+    params: AdaRoundParams,
     seed: int,
     progress: bool,
     where: str,
@@ -388,7 +390,7 @@ def apply_adaround(
     model with the format's rounding (QDQ semantics); layer errors that each fall can still add
     up to a worse model, and then nothing is changed and the report says so."""
     targets, skipped = adaround_targets(model, layout, weights, where)
-    iterations = int(params["iterations"])
+    iterations = params.iterations
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
     with single_thread(seed), phase("AdaRound: reading each layer's inputs"):
@@ -420,7 +422,7 @@ def apply_adaround(
             bar.advance(layers)
     entry = {
         "applied": any(n["kept"] == "adaround" for n in nodes.values()),
-        "parameters": dict(params),
+        "parameters": dataclasses.asdict(params),
         "input": INPUT_DESCRIPTION,
         "output_mse_before": None,
         "output_mse_after": None,

@@ -43,7 +43,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS
+from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS, SmoothQuantParams
 from qtool.calibration.channels import ChannelStats
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
@@ -203,11 +203,13 @@ def check_method(method: str, where: str) -> None:
         )
 
 
-def requests(model: onnx.ModelProto, layout: Layout, params: Mapping) -> StatisticRequests:
+def requests(
+    model: onnx.ModelProto, layout: Layout, params: SmoothQuantParams
+) -> StatisticRequests:
     """Per-channel statistics of every input SmoothQuant may smooth, for the calibration pass."""
     groups = smoothing_groups(model, layout)
     return StatisticRequests(
-        channels=tuple((g.input, params["rows"]) for g in groups), channels_for=_WHERE
+        channels=tuple((g.input, params.rows) for g in groups), channels_for=_WHERE
     )
 
 
@@ -517,7 +519,7 @@ class Smoothed:
 def apply_smoothquant(
     model: onnx.ModelProto,
     layout: Layout,
-    params: Mapping,
+    params: SmoothQuantParams,
     channels: Mapping[str, ChannelStats],
     stats: Mapping[str, TensorStats],
     hessians: Mapping[str, HessianAccumulator],
@@ -541,7 +543,7 @@ def apply_smoothquant(
     for group in groups:
         weights = _weights_kn(model, group)
         choices[group.input] = search_alpha(
-            channels[group.input], weights, group.members, params["alpha"], symmetric
+            channels[group.input], weights, group.members, params.alpha, symmetric
         )
     smoothed, reads, divided_by = smooth_model(model, groups, choices)
     new_layout = replan(smoothed)
@@ -562,9 +564,9 @@ def apply_smoothquant(
             )
     new_hessians = _transform_hessians(dict(hessians), reads, choices, new_layout)
     entry = {
-        "alpha": params["alpha"],
-        "alphas_searched": list(SMOOTHQUANT_ALPHAS) if params["alpha"] == "auto" else None,
-        "rows": params["rows"],
+        "alpha": params.alpha,
+        "alphas_searched": list(SMOOTHQUANT_ALPHAS) if params.alpha == "auto" else None,
+        "rows": params.rows,
         "error": "relative output error sum|Y - Yq|^2 / sum|Y|^2 of the quantized layer on the "
         "sampled calibration rows (uint8 per-tensor inputs, int8 per-channel weights)",
         "ranges": "min-max of each smoothed input, derived exactly from the per-channel min/max "

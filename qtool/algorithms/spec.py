@@ -3,6 +3,8 @@ they are applied in (documented in docs/architecture.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 # cross_layer_equalization.bias_absorption when the recipe does not say (chosen by measurement:
@@ -20,29 +22,82 @@ BIAS_ABSORPTION_DEFAULT = False
 #   leave a correction for weights that no longer exist).
 ALGORITHM_ORDER = ("cross_layer_equalization", "smoothquant", "adaround", "bias_correction")
 
-ALGORITHM_PARAMS: dict[str, dict[str, Any]] = {
-    # samples: calibration samples whose layer inputs the rounding is learned on (the first N);
-    # iterations: Adam steps per layer (qtool/algorithms/adaround.py)
-    "adaround": {"samples": 256, "iterations": 1000},
-    # samples: calibration samples the shift is measured on (the first N of the calibration set)
-    "bias_correction": {"samples": 256},
-    # exact rescaling of Conv -> (Relu | Clip(0, hi)) -> Conv pairs (qtool/algorithms/cle.py);
-    # samples: calibration samples whose per-channel maxima bound the scales through a Clip
-    # (and whose minima bound the shifts); bias_absorption: move what the activation allows of
-    # A's bias into B's afterwards (qtool/algorithms/bias_absorption.py)
-    # through_clip: also equalize pairs through Clip(0, hi), exact only on data whose channel
-    # maxima stay within the calibration samples' (off: on EfficientNet-Lite0 the equalized float
-    # model agreed with the original on 95% of new images; examples/effnet_lite/README.md)
-    "cross_layer_equalization": {
-        "samples": 512,
-        "bias_absorption": BIAS_ABSORPTION_DEFAULT,
-        "through_clip": False,
-    },
-    # alpha: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the layer's
-    # quantized output error) or one number in [0, 1]; rows: input rows sampled per layer input
-    # in the calibration pass for that search (qtool/algorithms/smoothquant.py)
-    "smoothquant": {"alpha": "auto", "rows": 512},
+
+@dataclass(frozen=True)
+class CleParams:
+    """Exact rescaling of Conv -> (Relu | Clip(0, hi)) -> Conv pairs (qtool/algorithms/cle.py).
+
+    `samples`: calibration samples whose per-channel maxima bound the scales through a Clip (and
+    whose minima bound the shifts). `bias_absorption`: move what the activation allows of A's
+    bias into B's afterwards (bias_absorption.py). `through_clip`: also equalize pairs through
+    Clip(0, hi), exact only on data whose channel maxima stay within the calibration samples'
+    (off: on EfficientNet-Lite0 the equalized float model agreed with the original on 95% of new
+    images; examples/effnet_lite/README.md)."""
+
+    samples: int = 512
+    bias_absorption: bool = BIAS_ABSORPTION_DEFAULT
+    through_clip: bool = False
+
+
+@dataclass(frozen=True)
+class SmoothQuantParams:
+    """`alpha`: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the
+    layer's quantized output error) or one number in [0, 1]; `rows`: input rows sampled per
+    layer input in the calibration pass for that search (qtool/algorithms/smoothquant.py)."""
+
+    alpha: str | float = "auto"
+    rows: int = 512
+
+
+@dataclass(frozen=True)
+class AdaRoundParams:
+    """`samples`: calibration samples whose layer inputs the rounding is learned on (the first
+    N); `iterations`: Adam steps per layer (qtool/algorithms/adaround.py)."""
+
+    samples: int = 256
+    iterations: int = 1000
+
+
+@dataclass(frozen=True)
+class BiasCorrectionParams:
+    """`samples`: calibration samples the shift is measured on (the first N)."""
+
+    samples: int = 256
+
+
+AlgorithmParams = CleParams | SmoothQuantParams | AdaRoundParams | BiasCorrectionParams
+
+# Each algorithm's parameter type; its fields and defaults are the recipe's keys and defaults.
+ALGORITHM_PARAMS: dict[str, type] = {
+    "cross_layer_equalization": CleParams,
+    "smoothquant": SmoothQuantParams,
+    "adaround": AdaRoundParams,
+    "bias_correction": BiasCorrectionParams,
 }
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    """The algorithms a recipe turns on (`quantization.algorithms`), each with its parameters,
+    None where off. The build stages read the field of the one they run."""
+
+    cross_layer_equalization: CleParams | None = None
+    smoothquant: SmoothQuantParams | None = None
+    adaround: AdaRoundParams | None = None
+    bias_correction: BiasCorrectionParams | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """The algorithms turned on, in the order they run."""
+        return tuple(name for name in ALGORITHM_ORDER if getattr(self, name) is not None)
+
+    def __bool__(self) -> bool:
+        return bool(self.names())
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """Algorithm `name`'s parameters at their defaults, as a recipe would spell them."""
+    return dataclasses.asdict(ALGORITHM_PARAMS[name]())
+
 
 SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
 

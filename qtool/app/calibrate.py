@@ -26,7 +26,7 @@ def calibrate(
     model, where = prepared.model, str(recipe.path)
     try:
         requests = requests_for(
-            model.model, prepared.layout, recipe.quantization, recipe.calibration, where
+            model.model, prepared.layout, recipe.algorithms, recipe.calibration, where
         )
         run = collect_statistics(
             model,

@@ -22,6 +22,7 @@ def prepare(recipe: Recipe) -> Prepared:
         settings.calibration_data(recipe),
         recipe.float_model_path,
         str(recipe.path),
+        recipe.algorithms.cross_layer_equalization,
     )
 
 
@@ -37,7 +38,7 @@ def statistics(
     where = str(recipe.path)
     model = prepared.model
     requests = requests_for(
-        model.model, prepared.layout, recipe.quantization, recipe.calibration, where
+        model.model, prepared.layout, recipe.algorithms, recipe.calibration, where
     )
     if stats_path is not None:
         return read_statistics(stats_path, model, requests, where)

@@ -72,8 +72,8 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
             f"{recipe.path}: model.onnx: qtool qat trains PyTorch models; give model.pytorch "
             "(file.py:factory) and model.weights"
         )
-    if recipe.quantization.algorithms:
-        names = ", ".join(name for name, _ in recipe.quantization.algorithms)
+    if recipe.algorithms:
+        names = ", ".join(recipe.algorithms.names())
         raise RecipeError(
             f"{recipe.path}: quantization.algorithms [{names}]: qtool qat trains the weights "
             "and biases itself and runs no PTQ algorithm; remove them from the QAT recipe"

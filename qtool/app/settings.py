@@ -31,6 +31,7 @@ def build_settings(recipe: Recipe) -> BuildSettings:
         calibration_data(recipe),
         recipe.seed,
         str(recipe.path),
+        recipe.algorithms,
     )
 
 

@@ -23,6 +23,9 @@ from qtool.algorithms.spec import (
     ALGORITHM_PARAMS,
     MAX_ADAROUND_ITERATIONS,
     MAX_SMOOTHQUANT_ROWS,
+    AlgorithmParams,
+    Algorithms,
+    defaults,
 )
 from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
 from qtool.config import presets
@@ -70,6 +73,8 @@ class Recipe:
     seed: int = 0
     mixed_precision: MixedPrecisionSpec | None = None
     qat: QatSpec | None = None
+    # `quantization.algorithms` in the file; its own type: no stage below the build needs it
+    algorithms: Algorithms = field(default_factory=Algorithms)
 
     @property
     def float_model_path(self) -> Path:
@@ -246,6 +251,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     inputs = _read_inputs(reader, top["inputs"])
     calibration = _read_calibration(reader, top["calibration"])
     quantization = _read_quantization(reader, top.get("quantization", {}))
+    algorithms = _read_algorithms(reader, top.get("quantization", {}).get("algorithms", []))
     evaluation = _read_evaluation(reader, top["evaluation"]) if "evaluation" in top else None
     out = top.get("output", {})
     reader.mapping(out, "output", {"dir"})
@@ -269,6 +275,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         seed,
         mixed,
         qat,
+        algorithms,
     )
 
 
@@ -510,17 +517,16 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             _read_override(reader, entry, f"quantization.overrides[{i}]")
             for i, entry in enumerate(overrides)
         ),
-        algorithms=_read_algorithms(reader, raw.get("algorithms", [])),
     )
 
 
-def read_algorithms(raw: Any, source: str) -> tuple[tuple[str, dict], ...]:
+def read_algorithms(raw: Any, source: str) -> Algorithms:
     """`quantization.algorithms` given outside a recipe file (benchmarks' `--algorithms`),
     validated as in a recipe; errors name `source` where a recipe error names the file."""
     return _read_algorithms(_Reader(Path(source)), raw)
 
 
-def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
+def _read_algorithms(reader: _Reader, raw: Any) -> Algorithms:
     """`[bias_correction]` or `{bias_correction: {samples: 128}}`; run in ALGORITHM_ORDER."""
     where = "quantization.algorithms"
     if isinstance(raw, list):
@@ -529,13 +535,13 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
         entries = {str(name): params if params is not None else {} for name, params in raw.items()}
     else:
         raise reader.fail(where, f"must be a list of names or a mapping, got {raw!r}")
-    chosen = []
+    chosen: dict[str, AlgorithmParams] = {}
     for name in ALGORITHM_ORDER:
         if name not in entries:
             continue
         if name not in ALGORITHM_PARAMS:
             raise reader.fail(f"{where}.{name}", "is not implemented in this version of qtool yet")
-        params = dict(ALGORITHM_PARAMS[name])
+        params = defaults(name)
         given = reader.mapping(entries[name], f"{where}.{name}", set(params))
         for key, value in given.items():
             if (name, key) == ("smoothquant", "alpha"):
@@ -552,13 +558,13 @@ def _read_algorithms(reader: _Reader, raw: Any) -> tuple[tuple[str, dict], ...]:
                 )
             else:
                 params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=1)
-        chosen.append((name, params))
+        chosen[name] = ALGORITHM_PARAMS[name](**params)
     unknown = sorted(set(entries) - set(ALGORITHM_ORDER))
     if unknown:
         raise reader.fail(
             f"{where}.{unknown[0]}", f"unknown algorithm (known: {', '.join(ALGORITHM_ORDER)})"
         )
-    return tuple(chosen)
+    return Algorithms(**chosen)
 
 
 def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:

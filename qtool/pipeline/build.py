@@ -19,6 +19,7 @@ import onnx
 from qtool import kernels
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.smoothquant import apply_smoothquant
+from qtool.algorithms.spec import Algorithms
 from qtool.calibration.channels import channels_path, load_channels
 from qtool.calibration.spec import CalibrationSpec
 from qtool.data.source import BatchSource
@@ -48,6 +49,7 @@ class BuildSettings:
     data: BatchSource
     seed: int
     where: str  # the settings' source (the recipe file), for errors
+    algorithms: Algorithms = field(default_factory=Algorithms)
 
     def cpu(self) -> CpuFeatures:
         return resolve_cpu(self.quantization.cpu)
@@ -91,7 +93,7 @@ def build_quantized(
     hessians = statistics.hessians
     model = float_model.model
     algorithms: dict = {}
-    smoothquant = spec.algorithm("smoothquant")
+    smoothquant = settings.algorithms.smoothquant
     if smoothquant is not None:
         with phase("SmoothQuant"):  # alpha search per layer input, then the smoothed model
             channels, source = _channels(statistics, float_model)
@@ -116,7 +118,7 @@ def build_quantized(
         activations = activation_parameters(layout, stats, settings.calibration, symmetric, device)
         weights = weight_parameters(model, layout, spec, cpu, device, hessians)
     else:
-        if spec.algorithms:
+        if settings.algorithms:
             raise ValueError("cached parameters are for builds without algorithms")
         activations = cache.activations(layout, stats, settings.calibration, symmetric, device)
         weights = cache.weights(model, layout, spec, cpu, device, hessians)
@@ -131,7 +133,7 @@ def build_quantized(
             float_graph, layout, activations, chosen, chosen_biases, spec.target, nbits
         )
 
-    adaround = spec.algorithm("adaround")
+    adaround = settings.algorithms.adaround
     if adaround is not None:  # before the biases and bias correction: they see its weights
         # imported here: it needs torch, which ONNX-only runs never load
         from qtool.algorithms.adaround_apply import BATCH as ADAROUND_BATCH
@@ -144,7 +146,7 @@ def build_quantized(
             weights,
             cpu,
             spec.saturation,
-            lambda: settings.data.first_inputs(adaround["samples"], ADAROUND_BATCH),
+            lambda: settings.data.first_inputs(adaround.samples, ADAROUND_BATCH),
             adaround,
             settings.seed,
             progress,
@@ -152,7 +154,7 @@ def build_quantized(
             lambda chosen: write(model, chosen),
         )
     biases = bias_parameters(model, layout, activations, weights)
-    correction = spec.algorithm("bias_correction")
+    correction = settings.algorithms.bias_correction
     if float_model.staged is not None and correction is None and smoothquant is None:
         # The float weights being replaced are read no more (the writer drops them): read back
         # only the rest from the staged file, so the float model is not held while writing.
@@ -171,7 +173,7 @@ def build_quantized(
                 quantized,
                 layout.quantized_nodes(),
                 lambda float_graph: write(float_graph, weights),
-                lambda: settings.data.first_inputs(correction["samples"]),
+                lambda: settings.data.first_inputs(correction.samples),
             )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     if float_model.staged is not None:  # its float weights are on disk, staged: no longer needed

@@ -8,12 +8,12 @@ data its own pass saw; through a Clip only there, see algorithms/cle.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
+from qtool.algorithms.spec import CleParams
 from qtool.data.source import BatchSource
 from qtool.model.spec import ModelSpec
 from qtool.phases import phase
@@ -38,12 +38,12 @@ def prepare(
     data: BatchSource,
     float_path: Path,
     where: str,
+    cle: CleParams | None = None,
 ) -> Prepared:
     """Load, export if needed, prepare, equalize (when asked), freeze and plan: nothing is
     written yet except the staging of a model over protobuf's limit."""
     min_opset = planning.min_opset(source.opset, quantization)
     model, source_sha = load_prepared(source, data.inputs, min_opset)
-    cle = quantization.algorithm("cross_layer_equalization")
     equalization = _equalize(model, quantization, cle, data) if cle is not None else None
     frozen = freeze(model, float_path, source_sha)
     del model
@@ -55,15 +55,15 @@ def prepare(
     return Prepared(frozen, layout, equalization)
 
 
-def _equalize(model, quantization: QuantizationSpec, cle: Mapping, data: BatchSource) -> dict:
+def _equalize(model, quantization: QuantizationSpec, cle: CleParams, data: BatchSource) -> dict:
     with phase("cross-layer equalization"):  # before calibration: ranges of what is run
         # Pairs through Clip(0, 6) (when asked for) are bounded by per-channel maxima on
         # calibration data, bias absorption by the minima (one pass for both, unequalized).
-        samples = cle["samples"]
+        samples = cle.samples
         return equalize(
             model,
             quantization.per_channel,
             ranges=lambda tensors: channel_ranges(model, tensors, data.first_inputs(samples)),
-            bias_absorption=cle["bias_absorption"],
-            through_clip=cle["through_clip"],
+            bias_absorption=cle.bias_absorption,
+            through_clip=cle.through_clip,
         )

@@ -113,8 +113,6 @@ class QuantizationSpec:
     # None: int8 for int8 nodes, float (weight-only) for int4 nodes.
     activations: str | None = None
     overrides: tuple[Override, ...] = ()
-    # Accuracy algorithms in the order they run (ALGORITHM_ORDER), each with its parameters.
-    algorithms: tuple[tuple[str, dict], ...] = ()
     # How 4-bit MatMul/Gemm weights are written (qtool/quantize/matmul_nbits.py): None means the
     # target's default (ort-cpu: matmulnbits, tensorrt: qdq); the MatMulNBits accuracy level
     # "auto" is picked for `cpu`.
@@ -126,10 +124,6 @@ class QuantizationSpec:
         if self.int4_format is not None:
             return self.int4_format
         return "qdq" if self.target == "tensorrt" else "matmulnbits"
-
-    def algorithm(self, name: str) -> dict | None:
-        """The parameters of algorithm `name` when the recipe turns it on, else None."""
-        return next((params for key, params in self.algorithms if key == name), None)
 
     @property
     def per_channel(self) -> bool:

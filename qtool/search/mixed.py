@@ -332,7 +332,7 @@ def search(
         progress=progress,
     )
     notes.extend(analysis.notes)
-    algorithms = [name for name, _ in job.build.quantization.algorithms]
+    algorithms = job.build.algorithms.names()
     if algorithms:
         notes.append(
             f"quantization.algorithms ({', '.join(algorithms)}): the analysis predicts each "

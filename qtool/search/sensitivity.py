@@ -204,7 +204,7 @@ def calibrate_for(prepared: Prepared, job: Job, layouts: Sequence[Layout], progr
     of the settings' own plan."""
     union = union_layout(layouts)
     requests = requests_for(
-        prepared.model.model, union, job.build.quantization, job.build.calibration, job.where
+        prepared.model.model, union, job.build.algorithms, job.build.calibration, job.where
     )
     model = prepared.model
     try:
@@ -330,7 +330,7 @@ def analyze(
     notes: list[str] = []
     batches = analysis_batches(job, samples)
     chosen = _candidates(job, prepared, candidates, notes)
-    algorithms = [name for name, _ in job.build.quantization.algorithms]
+    algorithms = job.build.algorithms.names()
     if algorithms:
         notes.append(
             f"quantization.algorithms ({', '.join(algorithms)}) are not applied to the analysed "

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
 
+from qtool.algorithms.spec import Algorithms
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.ort.cpu import CpuFeatures
@@ -133,10 +134,7 @@ class Assembler:
     def built(self, layout: Layout) -> Built:
         """`layout` through the build stage, without the settings' algorithms (the analysis
         measures the plan itself; see search/mixed.py for builds with them)."""
-        settings = dataclasses.replace(
-            self.settings,
-            quantization=dataclasses.replace(self.settings.quantization, algorithms=()),
-        )
+        settings = dataclasses.replace(self.settings, algorithms=Algorithms())
         model = FloatModel(self.model, None, "", "")
         statistics = Statistics(list(self.stats.values()), self.hessians, {}, None)
         return build_quantized(model, layout, statistics, settings, False, self.cache, self.cpu)
