@@ -91,11 +91,12 @@ def plan_layout(
 
     for node in graph.nodes:
         chosen = settings[node.name]
-        rule = _quantize_node(node, graph, spec, chosen, layout)
-        if isinstance(rule, tuple):
-            source, reason = rule
+        outcome = _quantize_node(node, graph, spec, chosen, layout)
+        if isinstance(outcome, tuple):
+            source, reason = outcome
             layout.plan.add(NodePlan(node.name, node.op_type, "float", source, reason))
             continue
+        rule = outcome
         quantized_nodes.add(node.name)
         weight = next((layout.weights[n] for n in node.input if n in layout.weights), None)
         with_activations = _activations_int8(chosen, rule)

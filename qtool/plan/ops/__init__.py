@@ -25,6 +25,7 @@ from qtool.plan.ops.registry import (
     OpRule,
     RegistryError,
     find_rule,
+    fused_into,
     precision_key,
     quantizable_op_types,
     register,
@@ -32,6 +33,7 @@ from qtool.plan.ops.registry import (
     rules,
     unplaced_reason,
     unregister,
+    written_op_types,
 )
 
 FAMILIES = (conv, matmul, elementwise, concat, pooling, gather, passthrough, clamp, runtime_only)
@@ -47,6 +49,7 @@ __all__ = [
     "OpRule",
     "RegistryError",
     "find_rule",
+    "fused_into",
     "precision_key",
     "quantizable_op_types",
     "register",
@@ -54,4 +57,5 @@ __all__ = [
     "rules",
     "unplaced_reason",
     "unregister",
+    "written_op_types",
 ]

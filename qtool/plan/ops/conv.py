@@ -59,6 +59,8 @@ _NO_4BIT = (
     "(smaller file, float speed)"
 )
 
+_NO_4BIT_QLINEAR = "QLinearConv takes no 4-bit weight: ORT runs DQ -> float Conv"
+
 CONV = OpRule(
     op_type="Conv",
     family="conv",
@@ -108,11 +110,13 @@ CONV = OpRule(
         ("ort-cpu", INT4_INT8): Entry(
             "DQ(uint8) -> Conv -> Q(uint8); weight int4 per output channel",
             ("Conv",),
+            not_fused=_NO_4BIT_QLINEAR,
             signed_scales=True,
         ),
         ("tensorrt", INT4_INT8): Entry(
             "DQ(int8, symmetric) -> Conv -> Q(int8); weight int4 per output channel",
             ("Conv",),
+            not_fused=_NO_4BIT_QLINEAR,
         ),
     },
 )

@@ -102,7 +102,9 @@ def gemm_slots(
 
 
 def not_nbits(weight: WeightPlan | None) -> str:
-    """Why ORT runs a weight-only MatMul/Gemm in float instead of MatMulNBits."""
+    """No MatMulNBits where the blocks are not a power of two >= 16 along K, or several nodes
+    read the weight: ORT runs the float op on the dequantized weight (the words depend on the
+    planned weight)."""
     tail = "ORT runs the float op on the dequantized weight (smaller file, float speed)"
     if weight is None:
         return tail
@@ -127,6 +129,16 @@ def _qgemm_beta(node: onnx.NodeProto) -> str | None:
 
 
 _NBITS_WHEN = "blocks along K of a 2-D weight, a power of two >= 16, one reader of the weight"
+# Measured on ORT 1.31: it forms an 8-bit MatMulNBits too, from a blocked or a per-column weight
+# of a MatMul (a Gemm followed by a Relu is taken by its float Gemm + activation fusion first).
+_NBITS8_WHEN = (
+    "ORT forms an 8-bit MatMulNBits from DQ -> {op} when it loads the model (ORT 1.31: blocks "
+    "along K, or one scale per column of a MatMul weight)"
+)
+_NO_4BIT_QLINEAR = (
+    "ORT's QLinear kernels take no 4-bit weight: it runs DQ -> float {op} behind a dequantized "
+    "input"
+)
 
 
 def _entries(
@@ -135,6 +147,13 @@ def _entries(
     """The same forms for MatMul and Gemm: they differ in the int8 kernel and the weight axis."""
     nbits = f"MatMulNBits replacing the {op} (com.microsoft; compute type picked for the CPU)"
     blocked = f"DQ(int4 blocks along K) -> {op}"
+    weight_only_8 = Entry(
+        f"weight int8 per output channel (or blocks along K) -> DQ -> {op} on float activations",
+        (op,),
+        ("MatMulNBits",),
+        when=_NBITS8_WHEN.format(op=op),
+        not_fused=not_nbits,
+    )
     return {
         ("ort-cpu", INT8): Entry(
             f"DQ(uint8) -> {op}; weight int8 per output channel; output not quantized",
@@ -149,16 +168,8 @@ def _entries(
             when="where ORT rewrites the int8 Q/DQ pair of the input to uint8 (its "
             "QuantizeLinear feeds one DequantizeLinear), or on ARM",
         ),
-        ("ort-cpu", INT8_WEIGHT_ONLY): Entry(
-            f"weight int8 per output channel (or blocks) -> DQ -> {op} on float activations",
-            (op,),
-            not_fused=not_nbits,
-        ),
-        ("tensorrt", INT8_WEIGHT_ONLY): Entry(
-            f"weight int8 per output channel (or blocks) -> DQ -> {op} on float activations",
-            (op,),
-            not_fused=not_nbits,
-        ),
+        ("ort-cpu", INT8_WEIGHT_ONLY): weight_only_8,
+        ("tensorrt", INT8_WEIGHT_ONLY): weight_only_8,
         ("ort-cpu", INT4_WEIGHT_ONLY): Entry(
             f"{nbits} when quantization.int4_format is matmulnbits (the default) and the weight "
             f"allows it; else {blocked}",
@@ -176,13 +187,17 @@ def _entries(
             not_fused=not_nbits,
         ),
         ("ort-cpu", INT4_INT8): Entry(
-            f"DQ(uint8) -> {op}; weight int4 in blocks along K",
-            (op,),
+            f"DQ(uint8) -> {nbits} when quantization.int4_format is matmulnbits and the weight "
+            f"allows it; else DQ(uint8) -> {op} with a DQ(int4 blocks along K) weight",
+            ("MatMulNBits", op),
+            ("MatMulNBits",),
+            when=_NBITS_WHEN,
             signed_scales=True,
         ),
         ("tensorrt", INT4_INT8): Entry(
             f"DQ(int8, symmetric) -> {op}; weight int4 in blocks along K",
-            (op,),
+            (op, "MatMulNBits"),
+            not_fused=_NO_4BIT_QLINEAR.format(op=op),
         ),
     }
 
