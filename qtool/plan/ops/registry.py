@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 import onnx
@@ -201,6 +202,11 @@ class OpRule:
     runtime_forms: Mapping[str, str] = field(default_factory=dict)
     ort: OrtFusion = NO_FUSION
     entries: Mapping[tuple[str, str], Entry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Read-only views: a registered rule changes only by registering another.
+        object.__setattr__(self, "runtime_forms", MappingProxyType(dict(self.runtime_forms)))
+        object.__setattr__(self, "entries", MappingProxyType(dict(self.entries)))
 
     def entry(self, target: str, precision: str) -> Entry:
         """The entry for (target, precision); RegistryError when there is none."""
