@@ -24,8 +24,8 @@ from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError, ModelError
 from qtool.ort.sessions import create_session
+from qtool.plan.ops.targets import ORT_CPU_INTEGER_KERNELS as INTEGER_OPS
 from qtool.runtime.fusion import (
-    INTEGER_OPS,
     compare_fused_unfused,
     fusion_summary,
     fusion_truth,

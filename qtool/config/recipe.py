@@ -35,6 +35,7 @@ from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
+from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
     ACTIVATION_PRECISIONS,
@@ -43,7 +44,6 @@ from qtool.plan.settings import (
     INT4_FORMATS,
     PRECISIONS,
     SATURATION_POLICIES,
-    SUPPORTED_OP_TYPES,
     TARGETS,
     WEIGHT_GRANULARITIES,
     WEIGHT_METHODS,
@@ -581,7 +581,7 @@ def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:
 def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:
     op_types = reader.string_list(raw, where)
     for index, op_type in enumerate(op_types):
-        reader.choice(op_type, f"{where}[{index}]", SUPPORTED_OP_TYPES)
+        reader.choice(op_type, f"{where}[{index}]", quantizable_op_types())
     return op_types
 
 

@@ -18,18 +18,8 @@ ACCURACY_LEVEL_CHOICES = ("auto", "0", "1", "2", "3", "4")
 
 DEFAULT_OP_TYPES = ("Conv", "Gemm", "MatMul")
 
-# Ops with integer kernels in ORT's CPU provider and TensorRT that qtool knows how to place.
-SUPPORTED_OP_TYPES = (
-    "Conv",
-    "Gemm",
-    "MatMul",
-    "Add",
-    "Mul",
-    "Concat",
-    "GlobalAveragePool",
-    "AveragePool",
-    "Gather",
-)
+# The op types a recipe may list are the quantizable rules of the op registry
+# (qtool.plan.ops.quantizable_op_types()).
 
 # Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
 PRECISIONS = ("int4", "int8", "float")

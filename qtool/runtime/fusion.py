@@ -31,6 +31,9 @@ The reason a node stayed float is worked out by replaying the checks of ORT's QD
 selectors (qdq_selectors.cc) on the QDQ model (structure: which inputs come from a
 DequantizeLinear, what consumes the output) and on ORT's optimized graph (data types, after ORT's
 own int8 -> uint8 rewrite). When no check explains it, the reason is None rather than a guess.
+What each op's selector checks, and which ORT kernels compute on integers, is the op registry's
+(qtool/plan/ops/: each rule's `ort` and `output_quantized`, the ort-cpu target's kernels), the
+same rule objects the layout placed the QDQ pairs by; this module holds no table of op types.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ from onnx import TensorProto, numpy_helper
 from qtool.errors import DataError, ModelError
 from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import create_session, ort_reason
+from qtool.plan.ops import find_rule
+from qtool.plan.ops.registry import NO_FUSION, OrtFusion, float_weight_op_types
+from qtool.plan.ops.targets import ORT_CPU
 
 if TYPE_CHECKING:
     import onnxruntime
@@ -59,75 +65,9 @@ FUSED = "fused"
 FLOAT = "float"
 REMOVED = "removed"
 
-# Ops with integer kernels: a planned node that ends up as one of these runs quantized.
-INTEGER_OPS = frozenset(
-    {
-        "QLinearConv",
-        "QLinearConvTranspose",
-        "QGemm",
-        "QLinearMatMul",
-        "MatMulIntegerToFloat",
-        "MatMulInteger",
-        "ConvInteger",
-        "DynamicQuantizeMatMul",
-        "MatMulNBits",
-        "GatherBlockQuantized",
-        "QAttention",
-        "QLinearAdd",
-        "QLinearMul",
-        "QLinearConcat",
-        "QLinearGlobalAveragePool",
-        "QLinearAveragePool",
-        "QLinearLeakyRelu",
-        "QLinearSigmoid",
-        "QLinearSoftmax",
-        "QLinearWhere",
-        "QLinearReduceMean",
-        "QEmbedLayerNormalization",
-        "DynamicQuantizeLSTM",
-    }
-)
-# What ORT's CPU QDQ fusions turn each op into (qdq_selector_action_transformer.cc).
-QLINEAR_FORMS = {
-    "Conv": "QLinearConv",
-    "MatMul": "QLinearMatMul or MatMulIntegerToFloat",
-    "Gemm": "QGemm",
-    "Add": "QLinearAdd",
-    "Mul": "QLinearMul",
-    "Concat": "QLinearConcat",
-    "AveragePool": "QLinearAveragePool",
-    "GlobalAveragePool": "QLinearGlobalAveragePool",
-    "LeakyRelu": "QLinearLeakyRelu",
-    "Sigmoid": "QLinearSigmoid",
-    "Softmax": "QLinearSoftmax",
-    "Where": "QLinearWhere",
-}
-# Ops ORT runs directly on the quantized data once it drops the DQ before and the Q after them.
-DATA_MOVEMENT_OPS = frozenset(
-    {
-        "Expand",
-        "Flatten",
-        "Gather",
-        "GatherElements",
-        "Reshape",
-        "Slice",
-        "Squeeze",
-        "Tile",
-        "Transpose",
-        "Unsqueeze",
-        "MaxPool",
-        "Resize",
-        "ReduceMax",
-        "ReduceMin",
-        "Split",
-        "ArgMax",
-    }
-)
 _QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 # Nodes that layout transforms insert around the node that does the work.
 _LAYOUT_OPS = frozenset({"Transpose", "ReorderInput", "ReorderOutput"})
-# Ops whose fusion needs a QuantizeLinear on the output; MatMul and Gemm fuse without one.
-_OUTPUT_Q_OPTIONAL = frozenset({"MatMul", "Gemm"})
 _INT_RANGES = {
     TensorProto.UINT8: (0, 255),
     TensorProto.INT8: (-128, 127),
@@ -353,16 +293,23 @@ def _find_ort_node(node: onnx.NodeProto, qdq: _Index, ort: _Index) -> onnx.NodeP
 # Why a node stayed float
 
 
+def _ort_fusion(op_type: str) -> OrtFusion:
+    """How ORT's QDQ fusion treats `op_type`, from its rule (none: no rule, no fusion)."""
+    rule = find_rule(op_type)
+    return rule.ort if rule is not None else NO_FUSION
+
+
+def _is_clamp(node: onnx.NodeProto) -> bool:
+    """Relu / Clip: ORT drops one between an op and a QuantizeLinear that clamps as much."""
+    rule = find_rule(node.op_type)
+    return rule is not None and rule.folds is not None
+
+
 def _required_dq_inputs(node: onnx.NodeProto) -> list[int]:
     """Input slots ORT's selector wants fed by a DequantizeLinear for this op."""
     present = [i for i, name in enumerate(node.input) if name]
-    if node.op_type == "Where":
-        return [i for i in present if i in (1, 2)]
-    if node.op_type in ("Conv", "Gemm", "Add", "Mul", "Concat"):
-        return present
-    if node.op_type == "MatMul":
-        return [i for i in present if i < 2]
-    return [i for i in present if i == 0]
+    wanted = _ort_fusion(node.op_type).dq_inputs
+    return present if wanted is None else [i for i in present if i in wanted]
 
 
 def _type_name(elem: int | None) -> str:
@@ -370,21 +317,23 @@ def _type_name(elem: int | None) -> str:
 
 
 def _missing_dq_reason(node: onnx.NodeProto, qdq: _Index) -> str | None:
-    op = node.op_type
+    fusion = _ort_fusion(node.op_type)
     for index in _required_dq_inputs(node):
         tensor = node.input[index]
         if qdq.dq_producer(tensor) is not None:
             continue
         constant = qdq.initializers.get(tensor)
         is_float_constant = constant is not None and constant.data_type == TensorProto.FLOAT
-        if op in ("Conv", "Gemm") and index in (1, 2) and is_float_constant:
+        weight_or_bias = index in (fusion.weight_input, fusion.bias_input)
+        if fusion.quantizes_float_weights and weight_or_bias and is_float_constant:
             continue  # ORT's WeightBiasQuantization quantizes float constant weights itself
-        if op in ("Conv", "Gemm", "MatMul") and index == 1:
+        if index == fusion.weight_input:
             return (
                 f"weights '{tensor}' are not a constant int8/uint8 DequantizeLinear "
-                "(ORT quantizes only float constant Conv/Gemm weights itself)"
+                f"(ORT quantizes only float constant {'/'.join(float_weight_op_types())} "
+                "weights itself)"
             )
-        if op in ("Conv", "Gemm") and index == 2:
+        if index == fusion.bias_input:
             return f"bias '{tensor}' is not produced by an int32 DequantizeLinear"
         return f"input '{tensor}' is not produced by a DequantizeLinear"
     return None
@@ -444,11 +393,13 @@ def _output_reason(
     node: onnx.NodeProto, ort_node: onnx.NodeProto, qdq: _Index, ort: _Index
 ) -> str | None:
     op = node.op_type
-    fused_form = QLINEAR_FORMS.get(op, "a QLinear op")
+    rule = find_rule(op)
+    fused_form = _ort_fusion(op).form or "a QLinear op"
     out = node.output[0]
     consumers = qdq.consumers.get(out, [])
-    optional = op in _OUTPUT_Q_OPTIONAL
-    if len(consumers) == 1 and consumers[0].op_type in ("Relu", "Clip"):
+    # MatMul and Gemm fuse without a QuantizeLinear on the output (their rules quantize none).
+    optional = rule is not None and not rule.output_quantized
+    if len(consumers) == 1 and _is_clamp(consumers[0]):
         clip = consumers[0]
         after = qdq.consumers.get(clip.output[0], [])
         if (
@@ -505,7 +456,7 @@ def _input_types(ort_node: onnx.NodeProto, slots: list[int], ort: _Index) -> dic
 
 def _output_type(ort_node: onnx.NodeProto, ort: _Index) -> int | None:
     for consumer in ort.consumers.get(ort_node.output[0], []) if ort_node.output else []:
-        if consumer.op_type in ("Relu", "Clip"):
+        if _is_clamp(consumer):
             consumer = next(iter(ort.consumers.get(consumer.output[0], [])), consumer)
         if consumer.op_type == "QuantizeLinear":
             return ort.quantized_type(consumer.output[0])
@@ -522,15 +473,16 @@ def _type_reason(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) ->
     op = node.op_type
     if ort_node.op_type in _QDQ_OPS:
         return None
+    fusion = _ort_fusion(op)
     slots = _required_dq_inputs(node)
     types = _input_types(ort_node, slots, ort)
     known = [t for t in types.values() if t is not None]
     narrow = [t for t in known if t in _NARROW_TYPES]
     if narrow:
         return f"{_type_name(narrow[0])} quantization has no ORT CPU QLinear kernel for {op}"
-    activation = types.get(0 if op != "Where" else 1)
+    activation = types.get(fusion.activation_input)
     weight = types.get(1)
-    if op in ("Conv", "MatMul") and activation == TensorProto.INT8:
+    if fusion.int8_activations_arm_only and activation == TensorProto.INT8:
         if not _int8_allowed() or weight != TensorProto.INT8:
             dq = ort.dq_producer(ort_node.input[0])
             quant = ort.producer.get(dq.input[0]) if dq is not None else None
@@ -543,7 +495,7 @@ def _type_reason(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) ->
                         f"feeds one DequantizeLinear, and '{quant.name}' feeds {readers}"
                     )
             return f"activation is int8 (ORT's CPU QLinear ops want uint8){detail}"
-    if op in ("Add", "Mul", "Concat", "Where") and len(set(known)) > 1:
+    if fusion.same_input_types and len(set(known)) > 1:
         names = " and ".join(sorted({_type_name(t) for t in known}))
         return f"its inputs are quantized to different types ({names})"
     output = _output_type(ort_node, ort)
@@ -552,41 +504,37 @@ def _type_reason(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) ->
             f"its input is {_type_name(activation)} but its output is quantized to "
             f"{_type_name(output)}; ORT's QLinear ops need one type"
         )
-    if op in ("Conv", "Gemm") and types.get(2) not in (None, TensorProto.INT32):
-        return f"bias is {_type_name(types[2])}; ORT needs an int32 bias"
+    bias = fusion.bias_input
+    if bias is not None and types.get(bias) not in (None, TensorProto.INT32):
+        return f"bias is {_type_name(types[bias])}; ORT needs an int32 bias"
     return None
-
-
-def _gemm_reason(node: onnx.NodeProto) -> str | None:
-    if node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2]:
-        return None
-    beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0)
-    return None if beta == 1.0 else f"Gemm has a bias with beta = {beta:g} (QGemm needs beta = 1)"
 
 
 def _float_reason(
     node: onnx.NodeProto, ort_node: onnx.NodeProto, qdq: _Index, ort: _Index
 ) -> str | None:
     op = node.op_type
-    if op in DATA_MOVEMENT_OPS:
+    fusion = _ort_fusion(op)
+    if fusion.on_integers:
         return (
             f"ORT runs {op} on quantized data only when one DequantizeLinear feeds it and one "
             "QuantizeLinear with the same scale and zero point reads it"
         )
-    if op not in QLINEAR_FORMS:
+    if not fusion.kernels:
         return f"ORT has no quantized kernel for {op} on the CPU"
     return (
         _missing_dq_reason(node, qdq)
         or _output_reason(node, ort_node, qdq, ort)
         or _type_reason(node, ort_node, ort)
-        or _gemm_reason(node)
+        or (fusion.check(node) if fusion.check is not None else None)
     )
 
 
 def _runs_quantized(node: onnx.NodeProto, ort_node: onnx.NodeProto, ort: _Index) -> bool:
-    if ort_node.op_type in INTEGER_OPS or ort_node.op_type.startswith("QLinear"):
+    kernel = ort_node.op_type
+    if kernel in ORT_CPU.integer_kernels or kernel.startswith("QLinear"):
         return True
-    if node.op_type in DATA_MOVEMENT_OPS and ort_node.op_type == node.op_type:
+    if _ort_fusion(node.op_type).on_integers and ort_node.op_type == node.op_type:
         data = ort_node.input[0] if ort_node.input else ""
         elem = ort.quantized_type(data) if data else None
         return elem in _INT_RANGES
@@ -600,9 +548,11 @@ def _planned_node(name: str, op_type: str, qdq: _Index) -> onnx.NodeProto:
     if len(nodes) > 1:
         raise ModelError(f"node name '{name}' is not unique in the quantized model")
     node = nodes[0]
-    # A 4-bit MatMul/Gemm weight the writer gave ORT as MatMulNBits (qtool/quantize/matmul_nbits)
-    written_as_nbits = node.op_type == "MatMulNBits" and op_type in ("MatMul", "Gemm")
-    if node.op_type != op_type and not written_as_nbits:
+    # The writer may emit another op under the planned name (a 4-bit MatMul as MatMulNBits, an
+    # embedding Gather as GatherBlockQuantized): the forms of the op's registry entries.
+    rule = find_rule(op_type)
+    written_as = rule.written_op_types if rule is not None else frozenset({op_type})
+    if node.op_type not in written_as:
         raise ModelError(
             f"planned node '{name}' is a {op_type} in the plan but a {node.op_type} in the "
             "quantized model"

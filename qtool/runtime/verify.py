@@ -19,6 +19,8 @@ import numpy as np
 from qtool.metrics.signal import json_float
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import create_session
+from qtool.plan.ops import precision_key
+from qtool.plan.ops import rule as op_rule
 from qtool.plan.plan import NodePlan, Plan
 from qtool.runtime.fused_gap import kernel_advice, kernel_cause
 from qtool.runtime.fusion import (
@@ -45,40 +47,12 @@ class Verification:
     warnings: list[str] = field(default_factory=list)
 
 
-def _written_op_type(node: NodePlan, target: str) -> str:
-    """The op the writer emitted for a planned node (a fused embedding table is rewritten)."""
-    if node.op_type == "Gather" and node.weight is not None and target == "ort-cpu":
-        if node.weight.block_size is not None:
-            return "GatherBlockQuantized"
-    return node.op_type
-
-
-def _weight_only_reason(node: NodePlan) -> str:
-    """Why a weight-only node runs in float, in the words a user deciding on INT4 needs."""
-    weight = node.weight
-    bits = weight.bits if weight is not None else 8
-    if node.op_type == "Conv":
-        return (
-            f"ORT has no {bits}-bit Conv kernel: it dequantizes the weight and runs the float "
-            "Conv (smaller file, float speed)"
-        )
-    if node.op_type in ("MatMul", "Gemm") and weight is not None:
-        if weight.block_size is None:
-            why = "the weight is per channel; MatMulNBits needs blocks along K"
-        elif weight.block_size < 16 or weight.block_size & (weight.block_size - 1):
-            why = f"block size {weight.block_size} is not a power of two >= 16"
-        elif weight.axis != 0:
-            why = "the blocks do not run along K of a [K, N] weight"
-        else:
-            why = "ORT did not form MatMulNBits here (a weight shared by several nodes, or a "
-            why += "non-default Gemm alpha/beta)"
-        return f"{why}: ORT runs the float op on the dequantized weight (smaller file, float speed)"
-    if node.op_type == "Gather":
-        return (
-            "the table is dequantized and gathered in float (standard ONNX form, ORT fuses only "
-            "com.microsoft GatherBlockQuantized)"
-        )
-    return "ORT runs the float op on the dequantized weight (smaller file, float speed)"
+def _weight_only_reason(node: NodePlan, target: str) -> str:
+    """Why a weight-only node runs in float, in the words a user deciding on INT4 needs: the
+    reason of the registry entry it was written by (ORT's CPU provider verifies every target)."""
+    rule = op_rule(node.op_type)
+    entry = rule.entry(target, precision_key(node.precision, node.activations))
+    return entry.not_fused_reason(node.weight)
 
 
 # Interleaved batch-1 runs per model for the low-bit speed check: enough to tell "faster" from
@@ -129,13 +103,14 @@ def verify(
     `loaded`: its optimized_session with `threads`, when the caller loaded it already."""
     if loaded is None:
         loaded = optimized_session(quantized, threads)
-    planned = {node.name: _written_op_type(node, target) for node in plan.quantized()}
+    # Planned op types: fusion_truth accepts the op a node's registry entries write it as.
+    planned = {node.name: node.op_type for node in plan.quantized()}
     truth = fusion_truth(quantized, planned, threads, loaded.graph)
     weight_only = set()
     for name, runtime in truth.items():
         node = plan[name]
         if node.activations == "float" and runtime.status != FUSED:
-            runtime = replace(runtime, reason=_weight_only_reason(node))
+            runtime = replace(runtime, reason=_weight_only_reason(node, target))
             weight_only.add(name)
         truth[name] = runtime
         node.runtime = runtime.to_dict()

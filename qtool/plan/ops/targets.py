@@ -1,0 +1,91 @@
+"""The deployment targets the registry has entries for, and what each runtime is to qtool.
+
+A target is where the quantized model runs. Each op rule has one entry per (target, precision)
+(registry.py); what lives here is what holds for every op on a target: how the report words an
+op qtool leaves without QDQ pairs, and which kernels of ONNX Runtime's CPU provider compute on
+integers (qtool's verifier, runtime/fusion.py, runs every model there, whatever its target).
+
+Adding a target: a `Target` here, in `TARGETS`, and an entry for it in every quantizable rule
+(the registry refuses a rule that lacks one); qtool.plan.settings.TARGETS names the targets a
+recipe may ask for and must list the same ones (tests/test_op_registry.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ORT CPU kernels that compute on integers: a planned node that ORT's optimizer turns into one of
+# these (or into any other QLinear* op) runs quantized. Several come from ORT's own fusions
+# (attention, embedding layer norm, dynamic quantization) rather than from qtool's QDQ forms.
+ORT_CPU_INTEGER_KERNELS = frozenset(
+    {
+        "QLinearConv",
+        "QLinearConvTranspose",
+        "QGemm",
+        "QLinearMatMul",
+        "MatMulIntegerToFloat",
+        "MatMulInteger",
+        "ConvInteger",
+        "DynamicQuantizeMatMul",
+        "MatMulNBits",
+        "GatherBlockQuantized",
+        "QAttention",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearConcat",
+        "QLinearGlobalAveragePool",
+        "QLinearAveragePool",
+        "QLinearLeakyRelu",
+        "QLinearSigmoid",
+        "QLinearSoftmax",
+        "QLinearWhere",
+        "QLinearReduceMean",
+        "QEmbedLayerNormalization",
+        "DynamicQuantizeLSTM",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One deployment target.
+
+    `unplaced` and `unplaced_with_form` are the report's reason for a node of an op type qtool
+    places no QDQ pair around ("{op}": the op type; "{form}": what the target's runtime could run
+    it as on quantized data, from the op's rule). `integer_kernels`: the runtime kernels that
+    compute on integers, where qtool reads the runtime's optimized graph (empty: it does not).
+    """
+
+    name: str
+    runtime: str
+    unplaced: str
+    unplaced_with_form: str
+    integer_kernels: frozenset[str] = frozenset()
+
+    def unplaced_reason(self, op_type: str, form: str | None) -> str:
+        """Why a node of `op_type` stays float when qtool has no QDQ form for it here."""
+        if form is None:
+            return self.unplaced.format(op=op_type)
+        return self.unplaced_with_form.format(op=op_type, form=form)
+
+
+ORT_CPU = Target(
+    name="ort-cpu",
+    runtime="ONNX Runtime, CPU execution provider",
+    unplaced="ORT's CPU provider has no quantized kernel for {op}: stays float",
+    unplaced_with_form=(
+        "qtool does not quantize {op} yet (ORT's CPU provider has {form}): stays float"
+    ),
+    integer_kernels=ORT_CPU_INTEGER_KERNELS,
+)
+
+# TensorRT picks each layer's precision itself; qtool does not read its engine, so it has no
+# kernel list and says the same of every op it leaves alone.
+TENSORRT = Target(
+    name="tensorrt",
+    runtime="TensorRT",
+    unplaced="qtool places no QDQ pair around {op}; TensorRT chooses its precision",
+    unplaced_with_form="qtool places no QDQ pair around {op}; TensorRT chooses its precision",
+)
+
+TARGETS: dict[str, Target] = {target.name: target for target in (ORT_CPU, TENSORRT)}
