@@ -560,8 +560,9 @@ def run_case(case: Case, ctx: Context, runs: int, timeout: float, needles: dict)
         if result["status"] != "ok":
             break
     entry["wall_s"] = [r["wall_s"] for r in results]
-    entry["files"] = results[0]["files"]
     failed = [r for r in results if r["status"] != "ok"]
+    if not failed:
+        entry["files"] = results[0]["files"]
     if failed and failed[0]["status"] == "timeout":
         # Too slow to record: not shrunk (that would hash a configuration nobody runs).
         r = failed[0]
@@ -714,6 +715,46 @@ def unlisted_recipes(cases: list[Case]) -> list[str]:
     return missing
 
 
+def compare(baseline: dict, new: dict) -> list[str]:
+    """Case by case, file by file: the point of this script. A file whose bytes differ but whose
+    `content_sha256` matches differs only in qtool's provenance stamp (version, recipe hash)."""
+    problems = []
+    for name, old in baseline["cases"].items():
+        cur = new["cases"].get(name)
+        if cur is None:
+            print(f"not run       {name}")
+            continue
+        if old["status"] != "ok" or cur["status"] != "ok":
+            if old["status"] != cur["status"]:
+                problems.append(name)
+            print(f"status        {name}: baseline {old['status']}, now {cur['status']}")
+            continue
+        for fname in sorted(set(old["files"]) | set(cur["files"])):
+            a, b = old["files"].get(fname), cur["files"].get(fname)
+            if a is None or b is None:
+                verdict = "only in baseline" if b is None else "new file"
+            elif a["sha256"] == b["sha256"]:
+                verdict = "same"
+            elif a.get("content_sha256") and a.get("content_sha256") == b.get("content_sha256"):
+                verdict = "stamp only"
+            else:
+                verdict = "DIFFERENT"
+            if verdict != "same":
+                problems.append(f"{name}/{fname}")
+            print(f"{verdict:<13} {name}/{fname}")
+    for key in ("cpu_flags",):
+        if baseline["machine"].get(key) != new["machine"].get(key):
+            print(
+                f"note: machine {key} differ: {baseline['machine'].get(key)} vs now "
+                f"{new['machine'].get(key)}"
+            )
+    for key, value in baseline.get("versions", {}).items():
+        if key != "qtool" and new.get("versions", {}).get(key) != value:
+            print(f"note: {key} {value} in the baseline, now {new['versions'].get(key)}")
+    print(f"{len(problems)} differences")
+    return problems
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.model_hashes",
@@ -743,12 +784,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "skipped (too slow to record), with the time it ran",
     )
     p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="after the run, compare --out with this JSON (e.g. the committed baseline); "
+        "exit 1 on any difference",
+    )
+    p.add_argument(
+        "--no-run", action="store_true", help="with --compare: compare an existing --out only"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cases = all_cases()
+    if args.no_run:
+        if args.compare is None:
+            raise SystemExit("--no-run needs --compare")
+        baseline, new = (json.loads(p.read_text()) for p in (args.compare, args.out))
+        return 1 if compare(baseline, new) else 0
     if args.list:
         for c in cases:
             print(c.name + (f"  (skipped: {c.skip[:60]}...)" if c.skip else ""))
@@ -824,6 +880,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if report.get("unlisted_recipes"):
         print(f"recipes no case covers: {report['unlisted_recipes']}")
+    if args.compare is not None:
+        print()
+        if compare(json.loads(args.compare.read_text()), report):
+            return 1
     return 1 if s["failed"] else 0
 
 
