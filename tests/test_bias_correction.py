@@ -14,8 +14,8 @@ from onnx import numpy_helper
 
 from qtool.algorithms.bias_correction import bias_targets, measure_shifts
 from qtool.algorithms.spec import AdaRoundParams
+from qtool.app import settings
 from qtool.config.recipe import load_recipe
-from qtool.data.batches import iter_batches
 from qtool.errors import RecipeError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -38,12 +38,13 @@ def _recipe(folder: Path, base: str, name: str, cpu: str | None = None) -> Path:
 # The weights written depend on the deployment CPU (pair-safe int8 without VNNI, full-range with
 # it), and so does the shift bias correction can remove; the error is measured on the unfused QDQ
 # semantics, so pinning `quantization.cpu` makes each case the same on every host. Measured on
-# digits: avx2 0.0057 -> 0.0034 (pair-safe rounding is biased), avx512-vnni 0.0032 -> 0.0029
+# digits' tuning rows (rows the shifts were not measured on): avx2 0.0058 -> 0.0041 (pair-safe
+# rounding is biased; 0.0057 -> 0.0034 when it was judged on the rows it measured), avx512-vnni
 # (conv filters keep their sums in rounding, sum_rounding.py: less shift is left to remove).
 @pytest.mark.parametrize(
     ("base", "cpu", "ratio"),
     [
-        ("recipe.yaml", "avx2", 0.7),
+        ("recipe.yaml", "avx2", 0.8),
         ("recipe.yaml", "avx512-vnni", 0.95),
         ("recipe-int4.yaml", None, 0.7),
     ],
@@ -74,8 +75,8 @@ def test_bias_correction_lowers_the_output_error_and_reports_each_layer(
     quant_name = "model.int4.onnx" if "int4" in base else "model.int8.onnx"
     quantized = onnx.load(str(corrected / quant_name))
     targets = bias_targets(float_model, entry["nodes"])
-    spec = loaded.calibration
-    feeds = [b.inputs for b in iter_batches(spec.data, loaded.inputs, 64, 256, loaded.seed)]
+    # on the samples the shifts were measured on: the calibration part of the recipe's split
+    feeds = list(settings.calibration_data(loaded).first_inputs(256, 64))
     again = measure_shifts(float_model, quantized, targets, feeds)
     for residual in again:
         removed = entry["nodes"][residual.target.node]["mean_abs_shift_removed"]

@@ -115,7 +115,8 @@ def test_calibrate_then_quantize_with_stats_writes_outputs(digits_run) -> None:
     stats, fingerprint = load_stats(digits_run.out / "stats.npz")
     float_bytes = (digits_run.out / "model.fp32.onnx").read_bytes()
     assert fingerprint == hashlib.sha256(float_bytes).hexdigest()
-    assert {s.samples for s in stats.values()} == {512}  # the recipe's max_samples
+    # the recipe's max_samples, less the tuning rows its mse ranges are judged on (every 4th)
+    assert {s.samples for s in stats.values()} == {512 - 128}
     onnx.checker.check_model(onnx.load(str(digits_run.out / "model.int8.onnx")))
 
 

@@ -85,7 +85,7 @@ def test_empty_algorithms_remove_the_presets_algorithms(folder: Path) -> None:
     tuned = {"base": "int8-transformer", **OWN}
     tuned["quantization"] = {"algorithms": {"smoothquant": {"alpha": 0.5}}}
     tuned_recipe = load_recipe(write(folder, tuned, "tuned.yaml"))
-    assert tuned_recipe.algorithms.smoothquant == SmoothQuantParams(alpha=0.5, rows=512)
+    assert tuned_recipe.algorithms.smoothquant == SmoothQuantParams(alpha=0.5, objective="block")
 
 
 def test_the_hash_is_of_the_resolved_recipe(folder: Path, tmp_path_factory) -> None:

@@ -25,12 +25,15 @@ from torch import nn
 from qtool.algorithms.smoothquant import (
     Choice,
     Member,
-    layer_errors,
-    search_alpha,
+    SmoothGroup,
+    candidate_alphas,
+    choose_alpha,
     smooth_model,
     smoothing_groups,
-    smoothing_scale,
+    twin,
 )
+from qtool.algorithms.smoothquant_blocks import find_blocks
+from qtool.algorithms.smoothquant_probe import score_groups
 from qtool.algorithms.spec import BiasCorrectionParams, SmoothQuantParams
 from qtool.app.common import prepare
 from qtool.app.quantize import quantize
@@ -192,6 +195,10 @@ def test_smoothing_lowers_the_layer_and_model_error_on_outlier_inputs(folder, ru
     assert _sqnr(reference, _run(smooth.model_path, x)) > _sqnr(
         reference, _run(plain.model_path, x)
     )
+    # The model-level rule compared it with plain min-max on the tuning rows, and kept it.
+    choice = smooth.report["model_choice"]
+    assert choice["kept"] == "recipe" and choice["recipe_model"]["algorithms"] == ["smoothquant"]
+    assert choice["scores"]["recipe"]["sqnr_db"] > choice["scores"]["minmax"]["sqnr_db"]
     # Every quantized MatMul still fuses with the inserted Muls in front of them.
     summary = smooth.report["runtime"]
     assert summary["fused"] == summary["planned"] and not summary["unfused"], summary
@@ -206,38 +213,142 @@ def test_smoothing_lowers_the_layer_and_model_error_on_outlier_inputs(folder, ru
     )
 
 
+def _one_matmul(w: np.ndarray) -> onnx.ModelProto:
+    """x [N, K] -> MatMul(w) -> y: one smoothing group without a block."""
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], "node")],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", w.shape[0]])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", w.shape[1]])],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _scored_choice(x_cal, x_tune, w, alpha):
+    """SmoothQuant's choice for one MatMul: ranges from `x_cal`, scored on `x_tune`."""
+    model = _one_matmul(w)
+    observer = ChannelObserver("x", 0)
+    observer.update(x_cal)
+    stats = observer.result()
+    group = SmoothGroup("x", (Member("node", "w", False, True),), None)
+    scores = {}
+    for a in candidate_alphas(alpha):
+        probe = [twin(group, [w], stats, a, symmetric=False)]
+        scores[a] = score_groups(model, probe, {}, lambda: iter([{"x": x_tune}]))["x"]
+    absmax_w = np.abs(w).max(axis=1)
+    return choose_alpha(scores, "block", alpha, stats.absmax, absmax_w)
+
+
 def test_alpha_zero_is_kept_where_smoothing_would_raise_the_error():
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (2048, 64)).astype(np.float32)
     w = rng.normal(0, 0.1, (64, 32)).astype(np.float32)
     x[:, 3] *= 30.0  # the outlier channel meets an outlier weight row: alpha 1 doubles it up
     w[3] *= 20.0
-    observer = ChannelObserver("x", 512)
-    observer.update(x)
-    stats = observer.result()
-    members = (Member("node", "w", False, True),)
-    absmax_w = np.abs(w).max(axis=1)
-    none = layer_errors(stats, [w], members, smoothing_scale(stats.absmax, absmax_w, 0.0), False)
-    full = layer_errors(stats, [w], members, smoothing_scale(stats.absmax, absmax_w, 1.0), False)
-    assert full["total"] > 2 * none["total"]  # the premise: alpha 1 hurts this layer
-    choice = search_alpha(stats, [w], members, 1.0, symmetric=False)
+    choice = _scored_choice(x[:1024], x[1024:], w, 1.0)
+    assert choice.errors[1.0] > 2 * choice.errors[0.0]  # the premise: alpha 1 hurts this layer
     assert choice.alpha == 0.0 and not choice.applied
-    assert "kept unsmoothed" in choice.reason
+    assert "kept unsmoothed" in choice.reason and choice.objective == "layer"  # no block here
     assert np.all(choice.scale == 1.0)
-    searched = search_alpha(stats, [w], members, "auto", symmetric=False)
+    searched = _scored_choice(x[:1024], x[1024:], w, "auto")
     assert searched.errors[searched.alpha] <= searched.errors[0.0]
     assert searched.alpha != 1.0
 
 
+def test_alpha_is_scored_on_rows_the_ranges_did_not_see():
+    """A channel that is tiny on the calibration rows and larger on new rows: alpha 1 scales it
+    up to fill the grid the calibration rows reached, so on new rows it clips by its whole
+    amplification. Scored on the calibration rows themselves a strong alpha wins; on tuning
+    rows no smoothing does, and the strong alpha is over 100x worse there."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.1, (32, 16)).astype(np.float32)
+    x_cal = rng.normal(0, 1, (512, 32)).astype(np.float32)
+    x_cal[:, 5] *= 0.01
+    x_new = rng.normal(0, 1, (512, 32)).astype(np.float32)
+    in_sample = _scored_choice(x_cal, x_cal, w, "auto")
+    held_out = _scored_choice(x_cal, x_new, w, "auto")
+    assert in_sample.alpha >= 0.8
+    assert held_out.alpha == 0.0 and not held_out.applied
+    assert held_out.errors[in_sample.alpha] > 100 * held_out.errors[0.0]
+
+
+def test_the_block_output_choice_differs_from_the_layers_where_they_disagree():
+    """Two MatMuls read x: A's output leaves the block (a second graph output), B's goes
+    through the residual Add y = x + x @ wb. A's weight rows are alike, so smoothing x's outlier
+    channel costs A nothing and its large output dominates the layers' error: the layer
+    objective smooths strongly. B's outlier weight row meets the outlier channel, so smoothing
+    doubles it up there: at the block's output a mild alpha wins."""
+    k, m = 64, 32
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (4096, k)).astype(np.float32)
+    x[:, 3] *= 30.0
+    wa = rng.normal(0, 1.0, (k, m)).astype(np.float32)
+    wb = rng.normal(0, 0.01, (k, k)).astype(np.float32)
+    wb[3] *= 20.0
+    helper, tensor = onnx.helper, onnx.TensorProto
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "wa"], ["ya"], "A"),
+            helper.make_node("MatMul", ["x", "wb"], ["b"], "B"),
+            helper.make_node("Add", ["b", "x"], ["y"], "residual"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", tensor.FLOAT, ["n", k])],
+        [
+            helper.make_tensor_value_info("y", tensor.FLOAT, ["n", k]),
+            helper.make_tensor_value_info("ya", tensor.FLOAT, ["n", m]),
+        ],
+        [onnx.numpy_helper.from_array(wa, "wa"), onnx.numpy_helper.from_array(wb, "wb")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model = onnx.shape_inference.infer_shapes(model)
+    blocks = find_blocks(model, {"x": ["A", "B"]})
+    assert blocks["x"].output == "y"
+    observer = ChannelObserver("x", 0)
+    observer.update(x[:2048])  # calibration rows; the other half are the tuning rows
+    group = SmoothGroup("x", (Member("A", "wa", False, True), Member("B", "wb", False, True)), None)
+    scores = {}
+    for alpha in candidate_alphas("auto"):
+        probe = [twin(group, [wa, wb], observer.result(), alpha, symmetric=False)]
+        scores[alpha] = score_groups(model, probe, blocks, lambda: iter([{"x": x[2048:]}]))["x"]
+    absmax_w = np.maximum(np.abs(wa).max(axis=1), np.abs(wb).max(axis=1))
+    block = choose_alpha(scores, "block", "auto", observer.result().absmax, absmax_w)
+    layer = choose_alpha(scores, "layer", "auto", observer.result().absmax, absmax_w)
+    assert block.objective == "block" and layer.objective == "layer"
+    assert layer.alpha >= 0.5 and block.alpha <= 0.2  # they disagree, each on its own error
+    assert block.layer_choice == layer.alpha
+    assert block.block_errors[block.alpha] < block.block_errors[layer.alpha]
+    assert layer.errors[layer.alpha] < layer.errors[block.alpha]
+
+
+def test_blocks_end_at_the_residual_add(folder):
+    recipe = load_recipe(_write_recipe(folder, "blocks", "  algorithms: [smoothquant]\n"))
+    prepared = prepare(recipe)
+    model = prepared.model.model
+    groups = smoothing_groups(model, prepared.layout)
+    blocks = find_blocks(model, {g.input: g.nodes for g in groups})
+    producer = {o: n for n in model.graph.node for o in n.output}
+    attention = producer[blocks[groups[0].input].output]  # norm2(a + x): the Add a + x
+    assert attention.op_type == "Add" and "x" in attention.input
+    for group in groups[1:]:  # fc1 and fc2: y = r + fc2(gelu(fc1(r)))
+        assert blocks[group.input].output == "y"
+    assert set(groups[0].nodes) <= set(blocks[groups[0].input].nodes)
+    assert not find_blocks(_one_matmul(np.ones((4, 2), np.float32)), {"x": ["node"]})
+
+
 def test_a_kept_layer_is_reported_and_left_alone(folder):
     recipe = load_recipe(
-        _write_recipe(folder, "fixed", "  algorithms: {smoothquant: {alpha: 1.0, rows: 64}}\n")
+        _write_recipe(folder, "fixed", "  algorithms: {smoothquant: {alpha: 1.0}}\n")
     )
     result = quantize(recipe, progress=False)
     entry = result.report["algorithms"]["smoothquant"]
-    assert entry["alpha"] == 1.0 and entry["rows"] == 64
+    assert entry["alpha"] == 1.0 and entry["objective"] == "block"
     for layer in entry["layers"]:
-        assert layer["rows_searched"] == 64
+        assert set(layer["sqnr_db_by_alpha"]) == {"0", "1"}
         if not layer["applied"]:
             assert layer["alpha"] == 0.0 and "kept unsmoothed" in layer["reason"]
             assert layer["divided_by"] is None
@@ -326,8 +437,8 @@ def test_quantize_with_a_stats_file_reuses_the_channel_file(folder, cli, runs):
         ("{smoothquant: {alpha: 1.5}}", "quantization.algorithms.smoothquant.alpha: must be in"),
         ("{smoothquant: {alpha: high}}", "smoothquant.alpha: must be auto or a number"),
         ("{smoothquant: {alpha: true}}", "smoothquant.alpha: must be auto or a number"),
-        ("{smoothquant: {rows: 0}}", "quantization.algorithms.smoothquant.rows: must be >= 1"),
-        ("{smoothquant: {rows: 100000}}", "smoothquant.rows: must be <= 16384"),
+        ("{smoothquant: {rows: 512}}", "smoothquant.rows: no longer used: alpha is scored on"),
+        ("{smoothquant: {objective: model}}", "smoothquant.objective: must be one of block, layer"),
         ("{smoothquant: {beta: 1}}", "quantization.algorithms.smoothquant.beta: unknown key"),
         ("{smoothquant: 0.5}", "quantization.algorithms.smoothquant: must be a mapping"),
     ],
@@ -400,7 +511,7 @@ def test_transformer_preset_quantizes_tables_and_smooths_at_the_recipes_opset(tm
         "output: {dir: out}\n"
     )
     recipe = load_recipe(path)
-    assert recipe.algorithms.smoothquant == SmoothQuantParams(alpha="auto", rows=512)
+    assert recipe.algorithms.smoothquant == SmoothQuantParams(alpha="auto", objective="block")
     result = quantize(recipe, progress=False)
     smoothing = result.report["algorithms"]["smoothquant"]
     assert smoothing["smoothed"] == 1

@@ -15,17 +15,20 @@ The learned values stay on the grid the weight format chose for the deployment C
 same zero point, same range: 7-bit values stay within +-63); where that CPU saturates 16-bit pair
 sums (AVX2 without VNNI) the learned roundings are lowered again, least confident first, until
 every aligned pair fits as `choose_weight` guaranteed, and the report counts how many. The
-rounding is learned on three of every four calibration batches; a layer whose output error is not
-lower than with the format's own rounding on the held-out batches and on all calibration rows
-keeps that rounding, and the report says so.
+rounding is learned on the calibration samples; a layer whose output error on the tuning rows
+(qtool/pipeline/tuning.py: rows calibration did not read) is not lower than with the format's own
+rounding keeps that rounding, and the report says so. Judging on the rows it was learned on would
+favour it: a layer with fewer rows than weights per output (squeeze-excite convs: one row per
+sample) can fit them almost exactly and still do worse on new inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,7 +46,6 @@ from qtool.algorithms.adaround import (
     from_groups,
     layer_rows,
     learn_rounding,
-    merged,
     output_mse,
     single_thread,
     toward_zero,
@@ -71,24 +73,17 @@ INPUT_DESCRIPTION = (
 # sums: 256 samples x 64 = 16k rows per layer, many times the K of the layers we round, and
 # every position of digits' 8 x 8 maps; a MobileNet's 24 x 96 first map is sampled.
 POSITIONS_PER_SAMPLE = 64
-# Calibration batches of BATCH samples; every HOLD_OUT-th batch is held out: the rounding is
-# learned on the others and kept only if it also lowers the error on these. A layer with fewer
-# rows than weights per output (squeeze-excite convs: one row per sample) can fit its training
-# rows almost exactly and still do worse on new inputs.
+# Samples per ORT run of the float model while the sums are read.
 BATCH = 8
-HOLD_OUT = 4
 
 
 @dataclass
 class LayerSums:
-    """A layer's sums over the rows it learns on (`fit`) and over the held-out rows."""
+    """A layer's sums over the rows it learns on (`fit`: calibration samples) and over the
+    tuning rows it is judged on (`held_out`)."""
 
     fit: Grams
     held_out: Grams
-
-    @property
-    def everything(self) -> Grams:
-        return merged(self.fit, self.held_out)
 
 
 @dataclass(frozen=True)
@@ -212,11 +207,12 @@ def collect_grams(
     targets: list[Target],
     activations: Mapping[str, ActivationParams],
     batches: Iterable[Mapping[str, np.ndarray]],
+    tuning: Iterable[Mapping[str, np.ndarray]],
     seed: int = 0,
 ) -> dict[str, LayerSums]:
-    """Each target's sums over the float model's inputs to it, in one pass over `batches`
-    (at most POSITIONS_PER_SAMPLE positions per sample, drawn with `seed`; every HOLD_OUT-th
-    batch into the held-out sums)."""
+    """Each target's sums over the float model's inputs to it: the fit sums from `batches`
+    (calibration samples), the held-out sums from `tuning` (at most POSITIONS_PER_SAMPLE
+    positions per sample, drawn with `seed`)."""
     graph_inputs = {i.name for i in model.graph.input}
     for target in targets:
         if target.input not in activations:
@@ -233,7 +229,8 @@ def collect_grams(
     for target in targets:  # one update per shared sum
         first.setdefault(_rows_key(target), target)
     generator = torch.Generator().manual_seed(seed)
-    for index, feed in enumerate(batches):
+    stream = itertools.chain(((feed, False) for feed in batches), ((feed, True) for feed in tuning))
+    for index, (feed, judged) in enumerate(stream):
         try:
             values = dict(zip(outputs, session.run(outputs, dict(feed)), strict=True))
         except Exception as exc:  # ORT raises private types for bad feeds
@@ -252,16 +249,13 @@ def collect_grams(
             )
             rows = layer_rows(x, target.geometry, quantize, POSITIONS_PER_SAMPLE, generator)
             sums = shared[key]
-            (sums.held_out if index % HOLD_OUT == HOLD_OUT - 1 else sums.fit).update(*rows)
+            (sums.held_out if judged else sums.fit).update(*rows)
     for target in targets:
         if by_node[target.node].fit.rows == 0:
             raise CalibrationError("adaround needs at least one calibration batch")
+        if by_node[target.node].held_out.rows == 0:
+            raise CalibrationError("adaround needs at least one tuning row to judge it on")
     return by_node
-
-
-def held_out(batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
-    """The batches the rounding was not learned on (every HOLD_OUT-th)."""
-    return (b for index, b in enumerate(batches) if index % HOLD_OUT == HOLD_OUT - 1)
 
 
 def _broadcast_scale(params: WeightParams, shape: tuple[int, ...]) -> np.ndarray:
@@ -300,10 +294,10 @@ def round_layer(
     pair_slot: WeightSlot | None,
     on_step: Callable[[int], None] | None = None,
 ) -> LayerResult:
-    """Learn the layer's rounding on its format's grid from the fit rows; keep it only if the
-    output error is lower than with the format's own values both on the held-out rows and on
-    all calibration rows. `pair_slot`: the WeightSlot whose aligned pairs must stay within the
-    16-bit limit, or None."""
+    """Learn the layer's rounding on its format's grid from the fit rows (calibration samples);
+    keep it only if the output error on the tuning rows is lower than with the format's own
+    values. `pair_slot`: the WeightSlot whose aligned pairs must stay within the 16-bit limit,
+    or None."""
     shape = weight.shape
     zero = _zero(params, shape)
     nearest = params.values.astype(np.int32) - zero
@@ -323,25 +317,18 @@ def round_layer(
         values, moved = restore_pair_limit(values, fallback, priority, pair_slot)
     scale = problem.scale.astype(np.float64)
     candidates = {"nearest": problem.nearest * scale, "adaround": weight_groups(values, g) * scale}
-    everything = sums.everything
-    errors = {k: output_mse(everything, problem.weight, v) for k, v in candidates.items()}
-    held = sums.held_out
-    held_errors = (
-        {k: output_mse(held, problem.weight, v) for k, v in candidates.items()}
-        if held.rows
-        else {"nearest": None, "adaround": None}
-    )
-    better_held = held.rows == 0 or held_errors["adaround"] < held_errors["nearest"]
-    kept = better_held and errors["adaround"] < errors["nearest"]
+    fit, held = sums.fit, sums.held_out
+    errors = {k: output_mse(fit, problem.weight, v) for k, v in candidates.items()}
+    held_errors = {k: output_mse(held, problem.weight, v) for k, v in candidates.items()}
+    kept = held_errors["adaround"] < held_errors["nearest"]
     changed = int(np.count_nonzero(values != nearest))
     reason = None
     if not kept:
-        where = "the held-out calibration rows" if not better_held else "the calibration data"
-        reason = f"AdaRound did not lower the layer's output error on {where}: nearest kept"
+        reason = "AdaRound did not lower the layer's output error on the tuning rows: nearest kept"
     entry = {
         "weight": target.weight,
         "format": fmt,
-        "rows": everything.rows,
+        "rows": fit.rows,
         "held_out_rows": held.rows,
         "output_mse_nearest": errors["nearest"],
         "output_mse_adaround": errors["adaround"],
@@ -376,6 +363,7 @@ def apply_adaround(
     cpu: CpuFeatures,
     saturation: str,
     batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+    tuning: Callable[[], Iterable[Mapping[str, np.ndarray]]],
     params: AdaRoundParams,
     seed: int,
     progress: bool,
@@ -385,16 +373,19 @@ def apply_adaround(
     """`weights` with AdaRound's int8 values where they lower each layer's output error, and
     the report entry (per node: both errors, which rounding was kept, what changed).
 
-    `write` turns weights into the QDQ model as the pipeline does: the rounded model is kept only
-    if its outputs are closer to the float model's on the held-out calibration batches than the
-    model with the format's rounding (QDQ semantics); layer errors that each fall can still add
-    up to a worse model, and then nothing is changed and the report says so."""
+    `batches()`: the calibration samples the rounding is learned on; `tuning()`: the tuning rows
+    it is judged on. `write` turns weights into the QDQ model as the pipeline does: the rounded
+    model is kept only if its outputs are closer to the float model's on the tuning rows than
+    the model with the format's rounding (QDQ semantics); layer errors that each fall can still
+    add up to a worse model, and then nothing is changed and the report says so."""
     targets, skipped = adaround_targets(model, layout, weights, where)
     iterations = params.iterations
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
     with single_thread(seed), phase("AdaRound: reading each layer's inputs"):
-        grams = collect_grams(model, targets, activations, batches(), seed) if targets else {}
+        grams = (
+            collect_grams(model, targets, activations, batches(), tuning(), seed) if targets else {}
+        )
     out = dict(weights)
     nodes = {}
     with single_thread(seed), _progress(progress) as bar:
@@ -434,15 +425,15 @@ def apply_adaround(
         entry["reason"] = "no layer's output error fell: nothing changed"
         return out, entry
     with phase("AdaRound: comparing the model's outputs"):
-        before = output_error(model, write(weights), held_out(batches()))
-        after = output_error(model, write(out), held_out(batches()))
+        before = output_error(model, write(weights), tuning())
+        after = output_error(model, write(out), tuning())
     entry["output_mse_before"], entry["output_mse_after"] = before, after
     if after < before:
         return out, entry
     entry["applied"] = False
     entry["reason"] = (
-        "the rounded layers together raised the model's output error on the held-out "
-        "calibration batches: not applied"
+        "the rounded layers together raised the model's output error on the tuning rows: "
+        "not applied"
     )
     for node in nodes.values():
         if node["kept"] == "adaround":

@@ -17,12 +17,17 @@ Where 1/s goes:
   QuantizeLinear, outside ORT's DQ -> MatMul -> Q fusion (the verify stage records that every
   quantized MatMul still fuses); it costs one float element-wise op per smoothed input.
 
-Alpha is searched per layer input (all of its MatMuls together, one s for Q, K and V) on rows
-of X sampled in the calibration pass: each candidate's output error of the quantized layer
-(uint8 per-tensor activations with the range the writer will use, int8 per-channel symmetric
-weights) against the float layer, and the smallest error wins. A layer where no alpha beats no
-smoothing stays unsmoothed, and the report says so. The weights are simulated in plain int8,
-not in the deployment CPU's saturation-safe format, so the choice is the same on every machine.
+Alpha is chosen per layer input (all of its MatMuls together, one s for Q, K and V) on the
+tuning rows, rows calibration did not read (qtool/pipeline/tuning.py), at the output of the
+transformer block the MatMuls belong to, after its residual Add (smoothquant_blocks.py;
+`objective: layer` scores their own outputs instead): each candidate's quantized twin of the
+block runs beside the float model (smoothquant_probe.py) and the smallest error wins. Scoring on
+the calibration rows, whose per-channel maxima define the smoothed ranges, favours strong
+smoothing: alpha 1 scales every channel to exactly the range the calibration rows reached, so
+those rows never clip while new rows that exceed a small channel's maximum clip by its whole
+amplification (on a Swin model the layer-level search on calibration rows chose alpha 1 for 20
+of 27 inputs, and the model fell below plain min-max on new inputs). A group where no alpha beats
+no smoothing stays unsmoothed, and the report says so.
 
 Ranges: the calibration pass runs on the unsmoothed model, and the smoothed input's min-max
 range is derived exactly from its per-channel min/max (qtool/calibration/channels.py): for an
@@ -35,7 +40,7 @@ XᵀX of X / s is diag(1/s) XᵀX diag(1/s).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +48,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.algorithms.smoothquant_blocks import Block, find_blocks
+from qtool.algorithms.smoothquant_probe import GroupScore, Twin, score_groups
 from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS, SmoothQuantParams
 from qtool.calibration.channels import ChannelStats
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError, RecipeError
-from qtool.metrics.signal import SignalQuality, db_from_noise_ratio
+from qtool.metrics.signal import db_from_noise_ratio
 from qtool.plan.layout import Layout
 from qtool.write.params import activation_params, quantize_weight
 
@@ -60,7 +67,9 @@ __all__ = [
     "smoothing_groups",
     "check_method",
     "requests",
-    "search_alpha",
+    "candidate_alphas",
+    "twin",
+    "choose_alpha",
     "smooth_model",
     "apply_smoothquant",
 ]
@@ -99,13 +108,18 @@ class SmoothGroup:
 
 @dataclass
 class Choice:
-    """The alpha chosen for one group, its factors, and the errors behind the choice."""
+    """The alpha chosen for one group, its factors, and the errors behind the choice (relative
+    errors sum |Y - Yq|^2 / sum |Y|^2 on the tuning rows)."""
 
     alpha: float
     scale: np.ndarray  # s, float32 [K] (ones when alpha is 0)
-    errors: dict[float, float]  # alpha -> relative output error (sum |Y - Yq|^2 / sum |Y|^2)
-    node_errors: dict[float, dict[str, float]]  # alpha -> node -> relative error
+    errors: dict[float, float]  # alpha -> the error the choice was made on (`objective`)
+    node_errors: dict[float, dict[str, float]]  # alpha -> node -> its output's error
     reason: str
+    objective: str = "layer"  # "block": at the block's output; "layer": the MatMuls' outputs
+    block_errors: dict[float, float] | None = None  # alpha -> error at the block's output
+    layer_errors: dict[float, float] | None = None  # alpha -> error over the MatMuls' outputs
+    layer_choice: float | None = None  # the alpha the MatMuls' outputs alone would pick
 
     @property
     def applied(self) -> bool:
@@ -208,9 +222,8 @@ def requests(
 ) -> StatisticRequests:
     """Per-channel statistics of every input SmoothQuant may smooth, for the calibration pass."""
     groups = smoothing_groups(model, layout)
-    return StatisticRequests(
-        channels=tuple((g.input, params.rows) for g in groups), channels_for=_WHERE
-    )
+    # min/max per channel only: alpha is scored on the tuning rows, not on calibration rows
+    return StatisticRequests(channels=tuple((g.input, 0) for g in groups), channels_for=_WHERE)
 
 
 def _weights_kn(model: onnx.ModelProto, group: SmoothGroup) -> list[np.ndarray]:
@@ -244,95 +257,98 @@ def smoothed_range(stats: ChannelStats, inverse: np.ndarray) -> tuple[float, flo
     return float(low.min()), float(high.max())
 
 
-def _fake_quantize_activation(x: np.ndarray, low: float, high: float, symmetric: bool):
-    params = activation_params(low, high, symmetric)
-    info = np.iinfo(params.dtype)
-    zero = float(params.zero_point)
-    scale = np.float32(params.scale)
-    q = np.clip(np.round(x / scale) + zero, info.min, info.max)  # ORT rounds half to even too
-    return (q - zero) * np.float64(scale)
-
-
 def _fake_quantize_weight(w: np.ndarray, per_channel: bool) -> np.ndarray:
     params = quantize_weight(w, 1 if per_channel else None)
     scale = np.asarray(params.scale, np.float64)
     return params.values.astype(np.float64) * (scale.reshape(1, -1) if per_channel else scale)
 
 
-def layer_errors(
-    stats: ChannelStats,
+def candidate_alphas(alpha: str | float) -> tuple[float, ...]:
+    """The alphas scored: 0 (no smoothing) first, then SMOOTHQUANT_ALPHAS or the one given."""
+    candidates = SMOOTHQUANT_ALPHAS if alpha == "auto" else (float(alpha),)
+    return tuple(dict.fromkeys((0.0, *candidates)))
+
+
+def twin(
+    group: SmoothGroup,
     weights: list[np.ndarray],
-    members: tuple[Member, ...],
-    scale: np.ndarray,
-    symmetric: bool,
-    references: list[np.ndarray] | None = None,
-) -> dict[str, float]:
-    """Relative output error (sum |Y - Yq|^2 / sum |Y|^2) of each member, and "total" over all,
-    on the sampled rows, with X / s and diag(s) W quantized as qtool writes them.
-
-    `references`: each member's float output X W (float64) when the caller has it: it is the
-    same for every s, and computing it once halves an alpha search."""
-    x = stats.sample
-    inverse = (np.float32(1.0) / scale).astype(np.float32)
-    smoothed = (x * inverse).astype(np.float32)
-    low, high = smoothed_range(stats, inverse)
-    xq = _fake_quantize_activation(smoothed, low, high, symmetric)
-    if references is None:
-        references = float_outputs(stats, weights)
-    errors: dict[str, float] = {}
-    total = SignalQuality()
-    for member, w, reference in zip(members, weights, references, strict=True):
-        scaled = (w * scale[:, None]).astype(np.float32)
-        quality = SignalQuality()
-        quality.update(reference, xq @ _fake_quantize_weight(scaled, member.per_channel))
-        errors[member.node] = _relative_error(quality)
-        total.merge(quality)
-    errors["total"] = _relative_error(total)
-    return errors
-
-
-def _relative_error(quality: SignalQuality) -> float:
-    """Noise over signal power; the plain squared error where the float output is all zero
-    (no signal to compare with, yet a smaller error still wins the alpha search)."""
-    return quality.noise / quality.signal if quality.signal > 0 else quality.noise
-
-
-def float_outputs(stats: ChannelStats, weights: list[np.ndarray]) -> list[np.ndarray]:
-    """Each weight's float output X W on the sampled rows, in float64."""
-    x64 = stats.sample.astype(np.float64)
-    return [x64 @ w.astype(np.float64) for w in weights]
-
-
-def search_alpha(
     stats: ChannelStats,
-    weights: list[np.ndarray],
-    members: tuple[Member, ...],
-    alpha: str | float,
+    alpha: float,
     symmetric: bool,
-) -> Choice:
-    """The alpha (from SMOOTHQUANT_ALPHAS when "auto") with the least output error; 0 (no
-    smoothing) unless some alpha is strictly better than none."""
+) -> Twin:
+    """The group at `alpha` as the probe runs it (qtool/algorithms/smoothquant_probe.py): 1 / s,
+    the min-max quantization of X / s derived from the calibration pass, and diag(s) W
+    fake-quantized in each member's stored layout."""
     absmax_w = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
-    candidates = SMOOTHQUANT_ALPHAS if alpha == "auto" else (0.0, float(alpha))
-    errors: dict[float, float] = {}
-    node_errors: dict[float, dict[str, float]] = {}
-    scales: dict[float, np.ndarray] = {}
-    references = float_outputs(stats, weights)
-    for a in dict.fromkeys((0.0, *candidates)):
-        scales[a] = smoothing_scale(stats.absmax, absmax_w, a)
-        node_errors[a] = layer_errors(stats, weights, members, scales[a], symmetric, references)
-        errors[a] = node_errors[a].pop("total")
-    best = min(errors, key=lambda a: (errors[a], a))  # ties: the smaller alpha
-    if best == 0.0 or errors[best] >= errors[0.0]:
+    scale = smoothing_scale(stats.absmax, absmax_w, alpha)
+    inverse = (np.float32(1.0) / scale).astype(np.float32)
+    low, high = smoothed_range(stats, inverse)
+    quantized = {}
+    for member, w in zip(group.members, weights, strict=True):
+        scaled = (w * scale[:, None]).astype(np.float32)
+        fake = _fake_quantize_weight(scaled, member.per_channel).astype(np.float32)
+        quantized[member.node] = np.ascontiguousarray(fake.T if member.transposed else fake)
+    return Twin(
+        group.input,
+        tuple(group.nodes),
+        quantized,
+        inverse,
+        activation_params(low, high, symmetric),
+    )
+
+
+def choose_alpha(
+    scores: Mapping[float, GroupScore],
+    objective: str,
+    alpha: str | float,
+    absmax_x: np.ndarray,
+    absmax_w: np.ndarray,
+) -> Choice:
+    """The alpha with the least error on the tuning rows at the block's output (`objective`
+    "block", where the group has a block) or at its MatMuls' outputs; 0 (no smoothing) unless
+    some alpha is strictly better than none. Ties: the smaller alpha."""
+    has_block = all(score.block is not None for score in scores.values())
+    used = "block" if objective == "block" and has_block else "layer"
+    errors = {
+        a: float(score.block if used == "block" else score.layer_total)
+        for a, score in scores.items()
+    }
+    layer_errors = {a: score.layer_total for a, score in scores.items()}
+    node_errors = {a: dict(score.layers) for a, score in scores.items()}
+    block_errors = {a: score.block for a, score in scores.items()} if has_block else None
+    layer_choice = _best(layer_errors)
+    best = _best(errors)
+    where = "its block's output" if used == "block" else "its MatMuls' outputs"
+    if objective == "block" and used == "layer":
+        where += " (no residual block follows it)"
+    if best == 0.0:
         tried = "any alpha tried" if alpha == "auto" else f"alpha {float(alpha):g}"
         reason = (
-            f"kept unsmoothed: {tried} gave a larger quantized output error than no smoothing"
+            f"kept unsmoothed: {tried} gave a larger quantized error at {where} on the tuning "
+            "rows than no smoothing"
             if len(errors) > 1
             else "alpha 0: no smoothing asked"
         )
-        return Choice(0.0, scales[0.0], errors, node_errors, reason)
-    how = "searched" if alpha == "auto" else "given"
-    return Choice(best, scales[best], errors, node_errors, f"alpha {best:g} ({how})")
+    else:
+        how = "searched" if alpha == "auto" else "given"
+        reason = f"alpha {best:g} ({how}; scored at {where} on the tuning rows)"
+    return Choice(
+        best,
+        smoothing_scale(absmax_x, absmax_w, best),
+        errors,
+        node_errors,
+        reason,
+        objective=used,
+        block_errors=block_errors,
+        layer_errors=layer_errors,
+        layer_choice=layer_choice,
+    )
+
+
+def _best(errors: Mapping[float, float]) -> float:
+    """The alpha of the least error, the smaller on a tie; 0 unless strictly better than 0."""
+    best = min(errors, key=lambda a: (errors[a], a))
+    return best if errors[best] < errors[0.0] else 0.0
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -470,6 +486,7 @@ def _group_entry(
     group: SmoothGroup,
     channel: ChannelStats,
     choice: Choice,
+    block: Block | None,
     reads: dict[str, str],
     divided_by: dict[str, str],
 ) -> dict:
@@ -493,10 +510,15 @@ def _group_entry(
             }
             for node in group.nodes
         },
+        "objective": choice.objective,
+        "block_output": block.output if block is not None else None,
         "sqnr_db_by_alpha": {f"{a:g}": _sqnr_db(e) for a, e in choice.errors.items()},
+        "layer_sqnr_db_by_alpha": {
+            f"{a:g}": _sqnr_db(e) for a, e in (choice.layer_errors or {}).items()
+        },
+        "layer_choice": choice.layer_choice,
         "input_outlier_ratio_before": _outlier_ratio(channel.absmax),
         "input_outlier_ratio_after": _outlier_ratio(channel.absmax / choice.scale),
-        "rows_searched": int(channel.sample.shape[0]),
     }
     if choice.applied:
         how = "LayerNormalization scale and bias" if group.layer_norm else "inserted Mul"
@@ -526,12 +548,14 @@ def apply_smoothquant(
     symmetric: bool,
     replan: Callable[[onnx.ModelProto], Layout],
     channels_source: str,
+    tuning: Callable[[], Iterable[Mapping[str, np.ndarray]]],
 ) -> Smoothed:
-    """Search alpha per smoothed input, smooth the model, and re-plan it with `replan` (the
-    pipeline's plan stage, so the smoothed model is planned as any other).
+    """Score every candidate alpha per smoothed input on the tuning rows `tuning()`, smooth the
+    model with the chosen ones, and re-plan it with `replan` (the pipeline's plan stage, so the
+    smoothed model is planned as any other).
 
     `channels`: the per-channel statistics of the calibration pass (`channels_source` names
-    where they came from, for errors)."""
+    where they came from, for errors): the smoothed inputs' ranges come from them."""
     groups = smoothing_groups(model, layout)
     missing = [g.input for g in groups if g.input not in channels]
     if missing:
@@ -539,11 +563,23 @@ def apply_smoothquant(
             f"{channels_source}: no per-channel statistics for '{missing[0]}' "
             f"({len(missing)} missing; re-run `qtool calibrate` with this recipe)"
         )
+    weights = {g.input: _weights_kn(model, g) for g in groups}
+    blocks = find_blocks(model, {g.input: g.nodes for g in groups})
+    scores: dict[str, dict[float, GroupScore]] = {g.input: {} for g in groups}
+    for alpha in candidate_alphas(params.alpha):
+        twins = [twin(g, weights[g.input], channels[g.input], alpha, symmetric) for g in groups]
+        for name, score in score_groups(model, twins, blocks, tuning).items():
+            scores[name][alpha] = score
+        del twins
     choices = {}
     for group in groups:
-        weights = _weights_kn(model, group)
-        choices[group.input] = search_alpha(
-            channels[group.input], weights, group.members, params.alpha, symmetric
+        absmax_w = np.max([np.abs(w).max(axis=1) for w in weights[group.input]], axis=0)
+        choices[group.input] = choose_alpha(
+            scores[group.input],
+            params.objective,
+            params.alpha,
+            channels[group.input].absmax,
+            absmax_w,
         )
     smoothed, reads, divided_by = smooth_model(model, groups, choices)
     new_layout = replan(smoothed)
@@ -566,16 +602,20 @@ def apply_smoothquant(
     entry = {
         "alpha": params.alpha,
         "alphas_searched": list(SMOOTHQUANT_ALPHAS) if params.alpha == "auto" else None,
-        "rows": params.rows,
-        "error": "relative output error sum|Y - Yq|^2 / sum|Y|^2 of the quantized layer on the "
-        "sampled calibration rows (uint8 per-tensor inputs, int8 per-channel weights)",
+        "objective": params.objective,
+        "error": "relative error sum|Y - Yq|^2 / sum|Y|^2 on the tuning rows, of the group's "
+        "quantized twin (X / s through its min-max Q/DQ, int8 per-channel weights) at its "
+        "block's output after the residual Add (objective block) or at its MatMuls' outputs",
         "ranges": "min-max of each smoothed input, derived exactly from the per-channel min/max "
         "of the calibration pass",
         "inputs": len(groups),
         "smoothed": sum(1 for c in choices.values() if c.applied),
         "kept_unsmoothed": sum(1 for c in choices.values() if not c.applied),
         "layers": [
-            _group_entry(g, channels[g.input], choices[g.input], reads, divided_by) for g in groups
+            _group_entry(
+                g, channels[g.input], choices[g.input], blocks.get(g.input), reads, divided_by
+            )
+            for g in groups
         ],
     }
     return Smoothed(smoothed, new_layout, stats, new_hessians, entry)

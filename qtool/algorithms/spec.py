@@ -41,12 +41,17 @@ class CleParams:
 
 @dataclass(frozen=True)
 class SmoothQuantParams:
-    """`alpha`: migration strength, "auto" (searched per layer over SMOOTHQUANT_ALPHAS by the
-    layer's quantized output error) or one number in [0, 1]; `rows`: input rows sampled per
-    layer input in the calibration pass for that search (qtool/algorithms/smoothquant.py)."""
+    """`alpha`: migration strength, "auto" (searched per layer input over SMOOTHQUANT_ALPHAS) or
+    one number in [0, 1] (kept only where it beats no smoothing); `objective`: where a
+    candidate's error is measured on the tuning rows, "block" (the output of the transformer
+    block after its residual Add) or "layer" (the smoothed MatMuls' own outputs)
+    (qtool/algorithms/smoothquant.py)."""
 
     alpha: str | float = "auto"
-    rows: int = 512
+    objective: str = "block"
+
+
+SMOOTHQUANT_OBJECTIVES = ("block", "layer")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,5 @@ def defaults(name: str) -> dict[str, Any]:
 
 
 SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
-
-MAX_SMOOTHQUANT_ROWS = 16384
 
 MAX_ADAROUND_ITERATIONS = 100000

@@ -3,12 +3,14 @@
 The orchestration, in order: prepare (load, equalize, freeze, plan) -> [mixed precision: the
 search returns the Plan it verified and the model built for it] -> statistics (a calibration
 pass, or the stats file given) -> build (algorithms, ranges, weights, write) -> verify what ONNX
-Runtime runs -> report -> one commit of every output file.
+Runtime runs -> report -> one commit of every output file. Where the recipe's range method or
+algorithms make a model other than plain min-max, the build also makes that one and keeps the
+better on the tuning rows (qtool/pipeline/keep.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qtool import distributed
@@ -16,8 +18,9 @@ from qtool.app import settings
 from qtool.app.common import prepare, statistics
 from qtool.config.recipe import Recipe
 from qtool.io import commit_files
-from qtool.pipeline.build import Built, build_quantized
+from qtool.pipeline.build import Built
 from qtool.pipeline.finish import verify_and_report, verify_feeds
+from qtool.pipeline.keep import MINMAX, build_kept
 from qtool.pipeline.prepare import Prepared
 from qtool.pipeline.statistics import Statistics
 from qtool.report import report_bytes
@@ -55,7 +58,7 @@ def quantize(
             run, built, model_path = mixed.statistics, mixed.built, mixed.model_path
         else:
             run = statistics(recipe, prepared, stats_path, progress)
-            built = build_quantized(
+            built = build_kept(
                 prepared.model, prepared.layout, run, settings.build_settings(recipe), progress
             )
             model_path = recipe.quant_model_path
@@ -81,11 +84,14 @@ def _finish(
         "quantized_model": str(model_path),
         "stats": str(run.path),
     }
+    header = settings.report_header(recipe)
+    if built.choice is not None and built.choice["kept"] == MINMAX:  # the ranges written
+        header = replace(header, calibration=replace(header.calibration, method="minmax"))
     finished = verify_and_report(
         built,
         prepared.model,
         model_path,
-        settings.report_header(recipe),
+        header,
         verify_feeds(settings.calibration_data(recipe)),
         files,
         settings.settings_sha256(recipe),

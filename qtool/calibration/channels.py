@@ -10,7 +10,8 @@ number of calibration samples:
   max |x|: the range of X / s for any positive s is then exactly [min_j(min_j / s_j),
   max_j(max_j / s_j)], which is what lets quantize take the smoothed input's min-max range from
   the unsmoothed model's single calibration pass.
-- a uniform sample of `rows` rows without replacement: row r of the stream (counted across
+- a uniform sample of `rows` rows without replacement (none when `rows` is 0; SmoothQuant now
+  scores alpha on the tuning rows and asks for none): row r of the stream (counted across
   batches) is kept when its priority splitmix64(r) is among the `rows` smallest seen. The
   priority depends only on r, so the sample is the same for any batch size, and it spreads over
   the whole calibration set (the first rows of a padded transformer batch are one sentence and
@@ -82,8 +83,8 @@ class ChannelObserver:
     """Running per-channel min/max and a bounded row sample of one tensor [..., K]."""
 
     def __init__(self, name: str, rows: int) -> None:
-        if rows < 1:
-            raise ValueError(f"rows must be positive, got {rows}")
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
         self.name = name
         self.keep = rows
         self.minimum: np.ndarray | None = None
@@ -122,6 +123,8 @@ class ChannelObserver:
         self.rows += flat.shape[0]
 
     def _sample_rows(self, flat: np.ndarray) -> None:
+        if self.keep == 0:  # min/max only
+            return
         index = np.arange(self.rows, self.rows + flat.shape[0], dtype=np.int64)
         priority = _splitmix64(index)
         if self._priority.size >= self.keep:  # only rows that beat the current worst can enter

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from qtool.config.recipe import Recipe
+from qtool.pipeline.tuning import TuningSpec
+
+_ABSENT = object()
 
 _NOT_SETTINGS = ("path", "output_dir")
+# Sections added after recipes were first hashed: at their defaults they are left out, so a
+# recipe that does not use them keeps the hash (and the model bytes) it had before.
+_LATER_SECTIONS = {"tuning": TuningSpec()}
 
 
 def recipe_sha256(recipe: Recipe) -> str:
@@ -27,6 +33,7 @@ def recipe_sha256(recipe: Recipe) -> str:
         field.name: _plain(getattr(recipe, field.name), folder)
         for field in dataclasses.fields(recipe)
         if field.name not in _NOT_SETTINGS
+        and _LATER_SECTIONS.get(field.name, _ABSENT) != getattr(recipe, field.name)
     }
     text = json.dumps(values, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

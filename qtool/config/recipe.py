@@ -22,7 +22,7 @@ from qtool.algorithms.spec import (
     ALGORITHM_ORDER,
     ALGORITHM_PARAMS,
     MAX_ADAROUND_ITERATIONS,
-    MAX_SMOOTHQUANT_ROWS,
+    SMOOTHQUANT_OBJECTIVES,
     AlgorithmParams,
     Algorithms,
     defaults,
@@ -35,6 +35,7 @@ from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
+from qtool.pipeline.tuning import BASELINES, MAX_EVERY, TuningSpec
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
@@ -75,6 +76,8 @@ class Recipe:
     qat: QatSpec | None = None
     # `quantization.algorithms` in the file; its own type: no stage below the build needs it
     algorithms: Algorithms = field(default_factory=Algorithms)
+    # `tuning:`: the rows data-driven choices are scored on (qtool/pipeline/tuning.py)
+    tuning: TuningSpec = field(default_factory=TuningSpec)
 
     @property
     def float_model_path(self) -> Path:
@@ -244,6 +247,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
             "output",
             "mixed_precision",
             "qat",
+            "tuning",
         },
         {"model", "inputs", "calibration"},
     )
@@ -264,6 +268,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     if "mixed_precision" in top:
         mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
     qat = _read_qat(reader, top["qat"]) if "qat" in top else None
+    tuning = _read_tuning(reader, top["tuning"]) if "tuning" in top else TuningSpec()
     return Recipe(
         recipe_path,
         model,
@@ -276,6 +281,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         mixed,
         qat,
         algorithms,
+        tuning,
     )
 
 
@@ -454,6 +460,33 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
     )
 
 
+def _read_tuning(reader: _Reader, raw: Any) -> TuningSpec:
+    """`tuning:` (docs/recipe.md): its own data, or the split of the calibration set."""
+    raw = {} if raw is None else raw
+    keys = {"data", "every", "max_samples", "batch_size", "baseline"}
+    reader.mapping(raw, "tuning", keys)
+    if "data" in raw and "every" in raw:
+        raise reader.fail(
+            "tuning.every", "splits the calibration set; it does not apply with tuning.data"
+        )
+    defaults = TuningSpec()
+    return TuningSpec(
+        data=_read_data(reader, raw["data"], "tuning.data") if "data" in raw else None,
+        every=reader.integer(
+            raw.get("every", defaults.every), "tuning.every", minimum=2, maximum=MAX_EVERY
+        ),
+        max_samples=reader.integer(
+            raw.get("max_samples", defaults.max_samples), "tuning.max_samples", minimum=1
+        ),
+        batch_size=reader.integer(
+            raw.get("batch_size", defaults.batch_size), "tuning.batch_size", minimum=1
+        ),
+        baseline=reader.choice(
+            raw.get("baseline", defaults.baseline), "tuning.baseline", BASELINES
+        ),
+    )
+
+
 def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
     keys = {
         "target",
@@ -542,14 +575,18 @@ def _read_algorithms(reader: _Reader, raw: Any) -> Algorithms:
         if name not in ALGORITHM_PARAMS:
             raise reader.fail(f"{where}.{name}", "is not implemented in this version of qtool yet")
         params = defaults(name)
+        if name == "smoothquant" and isinstance(entries[name], dict) and "rows" in entries[name]:
+            raise reader.fail(
+                f"{where}.smoothquant.rows",
+                "no longer used: alpha is scored on the tuning rows (set how many with "
+                "tuning.max_samples)",
+            )
         given = reader.mapping(entries[name], f"{where}.{name}", set(params))
         for key, value in given.items():
             if (name, key) == ("smoothquant", "alpha"):
                 params[key] = _read_alpha(reader, value, f"{where}.{name}.{key}")
-            elif (name, key) == ("smoothquant", "rows"):  # rows x K floats kept per layer input
-                params[key] = reader.integer(
-                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SMOOTHQUANT_ROWS
-                )
+            elif (name, key) == ("smoothquant", "objective"):
+                params[key] = reader.choice(value, f"{where}.{name}.{key}", SMOOTHQUANT_OBJECTIVES)
             elif name == "cross_layer_equalization" and key in ("bias_absorption", "through_clip"):
                 params[key] = reader.boolean(value, f"{where}.{name}.{key}")
             elif (name, key) == ("adaround", "iterations"):

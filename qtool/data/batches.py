@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.data.spec import DataSpec, ImageFolder, InputSpec
+from qtool.data.split import SampleSplit
 from qtool.errors import DataError, QtoolError
 from qtool.model.load import load_entry_point
 from qtool.zip_members import READ_ERRORS, NpyMember
@@ -46,11 +47,16 @@ def iter_batches(
     max_samples: int | None = None,
     seed: int = 0,
     shapes_from: str | None = None,
+    split: SampleSplit | None = None,
+    limit: int | None = None,
 ) -> Iterator[Batch]:
     """Yield validated batches of exactly `batch_size` samples (the last one may be smaller).
 
-    `shapes_from` names who declared `inputs`, for error messages: None for the recipe's
-    `inputs:`, else the model file they were read from (whose symbolic dims take any size).
+    `max_samples`: only the first N samples of the source are read. `split`: of those, only the
+    samples of its part (by their position in the source: qtool/data/split.py). `limit`: at
+    most this many samples are yielded (after the split). `shapes_from` names who declared
+    `inputs`, for error messages: None for the recipe's `inputs:`, else the model file they
+    were read from (whose symbolic dims take any size).
     """
     chunks = _source_chunks(spec, inputs, seed, shapes_from)
     pending: list[Batch] = []
@@ -66,13 +72,24 @@ def iter_batches(
             raise DataError(
                 f"{spec.where}: some batches have labels and others do not (sample {sample_index})"
             )
+        first = sample_index
         sample_index += len(chunk)
         if max_samples is not None:
-            room = max_samples - produced - pending_count
+            room = max_samples - first
             if room <= 0:
                 break
             if len(chunk) > room:
                 chunk = _slice(chunk, 0, room)
+        if split is not None:
+            chunk = _select(chunk, split.selects(np.arange(first, first + len(chunk))))
+        if limit is not None:
+            room = limit - produced - pending_count
+            if room <= 0:
+                break
+            if len(chunk) > room:
+                chunk = _slice(chunk, 0, room)
+        if not len(chunk):
+            continue
         pending.append(chunk)
         pending_count += len(chunk)
         while pending_count >= batch_size:
@@ -86,7 +103,8 @@ def iter_batches(
         yield _concat(pending)
         produced += pending_count
     if produced == 0:
-        raise DataError(f"{spec.where}: the data source yielded no samples")
+        part = f" ({split.part} rows of its split)" if split is not None else ""
+        raise DataError(f"{spec.where}: the data source yielded no samples{part}")
 
 
 def count_samples_hint(spec: DataSpec, max_samples: int | None) -> int | None:
@@ -117,6 +135,13 @@ def _format_dims(shape: tuple[int | str | None, ...]) -> str:
 def _slice(batch: Batch, start: int, stop: int) -> Batch:
     labels = None if batch.labels is None else batch.labels[start:stop]
     return Batch({k: v[start:stop] for k, v in batch.inputs.items()}, labels)
+
+
+def _select(batch: Batch, mask: np.ndarray) -> Batch:
+    if mask.all():
+        return batch
+    labels = None if batch.labels is None else batch.labels[mask]
+    return Batch({k: v[mask] for k, v in batch.inputs.items()}, labels)
 
 
 def _concat(batches: list[Batch]) -> Batch:

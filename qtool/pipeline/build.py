@@ -12,8 +12,10 @@ whose ranges calibration measures.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from qtool import kernels
@@ -30,6 +32,7 @@ from qtool.pipeline import planning
 from qtool.pipeline.float_model import FloatModel
 from qtool.pipeline.param_cache import ParamCache
 from qtool.pipeline.statistics import Statistics
+from qtool.pipeline.tuning import TuningScore
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
@@ -41,8 +44,10 @@ from qtool.write.qdq import write_qdq_model
 @dataclass(frozen=True)
 class BuildSettings:
     """What the build stage reads of the user's settings: the plan's settings (target, CPU,
-    saturation, algorithms), how ranges are derived, and the calibration samples the algorithms
-    take a second look at."""
+    saturation, algorithms), how ranges are derived, the calibration samples the algorithms take
+    a second look at (`data`, the rows they fit on) and the tuning rows their choices are scored
+    on (`tuning`; qtool/pipeline/tuning.py). `compare_minmax` and `score`: the model-level rule
+    (qtool/pipeline/keep.py)."""
 
     quantization: QuantizationSpec
     calibration: CalibrationSpec
@@ -50,6 +55,9 @@ class BuildSettings:
     seed: int
     where: str  # the settings' source (the recipe file), for errors
     algorithms: Algorithms = field(default_factory=Algorithms)
+    tuning: BatchSource | None = None
+    compare_minmax: bool = False
+    score: TuningScore = field(default_factory=TuningScore)
 
     def cpu(self) -> CpuFeatures:
         return resolve_cpu(self.quantization.cpu)
@@ -71,6 +79,8 @@ class Built:
     nbits: int | None
     nbits_reason: str
     algorithms: dict = field(default_factory=dict)
+    # The model-level comparison with plain min-max (qtool/pipeline/keep.py), when it ran
+    choice: dict | None = None
 
 
 def build_quantized(
@@ -95,7 +105,7 @@ def build_quantized(
     algorithms: dict = {}
     smoothquant = settings.algorithms.smoothquant
     if smoothquant is not None:
-        with phase("SmoothQuant"):  # alpha search per layer input, then the smoothed model
+        with phase("SmoothQuant"):  # alpha scored per layer input on tuning rows, then smoothed
             channels, source = _channels(statistics, float_model)
             smoothed = apply_smoothquant(
                 model,
@@ -107,6 +117,7 @@ def build_quantized(
                 spec.symmetric_activations,
                 settings.replan,
                 source,
+                tuning_inputs(settings, "smoothquant"),
             )
         model, layout = smoothed.model, smoothed.layout
         stats, hessians = smoothed.stats, smoothed.hessians
@@ -147,6 +158,7 @@ def build_quantized(
             cpu,
             spec.saturation,
             lambda: settings.data.first_inputs(adaround.samples, ADAROUND_BATCH),
+            tuning_inputs(settings, "adaround", ADAROUND_BATCH),
             adaround,
             settings.seed,
             progress,
@@ -174,6 +186,7 @@ def build_quantized(
                 layout.quantized_nodes(),
                 lambda float_graph: write(float_graph, weights),
                 lambda: settings.data.first_inputs(correction.samples),
+                tuning_inputs(settings, "bias_correction"),
             )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
     if float_model.staged is not None:  # its float weights are on disk, staged: no longer needed
@@ -181,6 +194,19 @@ def build_quantized(
     return Built(
         quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason, algorithms
     )
+
+
+def tuning_inputs(
+    settings: BuildSettings, who: str, batch_size: int | None = None
+) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
+    """The tuning rows' inputs, read afresh per call: what `who` scores its choices on."""
+    source = settings.tuning
+    if source is None:
+        raise CalibrationError(
+            f"{settings.where}: quantization.algorithms.{who} scores its choices on tuning rows, "
+            "and the build was given none"
+        )
+    return lambda: (batch.inputs for batch in source.batches(batch_size))
 
 
 def _channels(statistics: Statistics, float_model: FloatModel) -> tuple[dict, str]:

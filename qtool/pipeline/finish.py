@@ -140,6 +140,8 @@ def verify_and_report(
             verification.summary,
         )
         report["algorithms"] = built.algorithms
+        if built.choice is not None:
+            report["model_choice"] = built.choice
         report["int4_matmul"] = {
             "format": header.quantization.resolved_int4_format,
             "accuracy_level": built.nbits,
