@@ -49,7 +49,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool.algorithms.smoothquant_blocks import Block, find_blocks
-from qtool.algorithms.smoothquant_probe import GroupScore, Twin, score_groups
+from qtool.algorithms.smoothquant_probe import GroupScore, Twin, score_groups, shapes_on
 from qtool.algorithms.spec import SMOOTHQUANT_ALPHAS, SmoothQuantParams
 from qtool.calibration.channels import ChannelStats
 from qtool.calibration.hessians import HessianAccumulator
@@ -564,7 +564,9 @@ def apply_smoothquant(
             f"({len(missing)} missing; re-run `qtool calibrate` with this recipe)"
         )
     weights = {g.input: _weights_kn(model, g) for g in groups}
-    blocks = find_blocks(model, {g.input: g.nodes for g in groups})
+    blocks = find_blocks(
+        model, {g.input: g.nodes for g in groups}, lambda names: shapes_on(model, names, tuning)
+    )
     scores: dict[str, dict[float, GroupScore]] = {g.input: {} for g in groups}
     for alpha in candidate_alphas(params.alpha):
         twins = [twin(g, weights[g.input], channels[g.input], alpha, symmetric) for g in groups]

@@ -10,13 +10,16 @@ The block of a smoothing group is found from the graph alone: the residual Add i
 downstream of the group's MatMuls (in graph order) whose one input comes from them and whose
 other input does not but is the group's input X or something X is computed from (the skip path
 of the residual stream), both inputs of one shape (a broadcast Add is an attention mask or a
-position bias, never the residual). That covers post-LN blocks (BERT: LayerNorm -> Q/K/V ->
-attention -> output dense -> Add(., X)) and pre-LN blocks (Llama, Swin: Add(h, attn(norm(h)))).
+position bias, never the residual; where shape inference leaves dims symbolic, the shapes of one
+run of the float model on a tuning batch decide). That covers post-LN blocks (BERT: LayerNorm ->
+Q/K/V -> attention -> output dense -> Add(., X)) and pre-LN blocks (Llama, Swin:
+Add(h, attn(norm(h)))).
 A group with no such Add (a patch-merging Linear, a classifier head) is scored on its own output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx
@@ -93,10 +96,18 @@ class _Graph:
         )
 
 
-def _residual_add(
+# Candidate Adds looked at per group, in graph order, before it is scored on its own outputs.
+CANDIDATES = 8
+
+ShapeOracle = Callable[[list[str]], dict[str, tuple[int, ...]]]
+
+
+def _candidates(
     graph: _Graph, group_input: str, downstream: list[onnx.NodeProto], reached: set[str]
-) -> onnx.NodeProto | None:
+) -> list[onnx.NodeProto]:
+    """The first CANDIDATES Adds that may be the group's residual Add, by the graph alone."""
     skip_path = graph.ancestors(group_input)
+    found = []
     for node in downstream:
         if node.op_type != "Add" or len(node.input) != 2:
             continue
@@ -106,8 +117,11 @@ def _residual_add(
         for ours, other in ((a, b), (b, a)):
             if ours in reached and other not in reached and other in skip_path:
                 if graph.same_shape(ours, other) and graph.same_shape(ours, node.output[0]):
-                    return node
-    return None
+                    found.append(node)
+                    break
+        if len(found) == CANDIDATES:
+            break
+    return found
 
 
 def find_block(model: onnx.ModelProto, group_input: str, members: list[str]) -> Block | None:
@@ -116,17 +130,32 @@ def find_block(model: onnx.ModelProto, group_input: str, members: list[str]) -> 
     return find_blocks(model, {group_input: members}).get(group_input)
 
 
-def find_blocks(model: onnx.ModelProto, groups: dict[str, list[str]]) -> dict[str, Block]:
-    """`find_block` for every group (input -> member node names), sharing one graph index."""
+def find_blocks(
+    model: onnx.ModelProto, groups: dict[str, list[str]], shapes: ShapeOracle | None = None
+) -> dict[str, Block]:
+    """`find_block` for every group (input -> member node names), sharing one graph index.
+
+    `shapes`: the tensors' shapes on real inputs (one run of the float model), for the Adds
+    whose inputs shape inference left symbolic: an attention mask [batch, 1, q, k] added to
+    scores [batch, heads, q, k] then shows as the broadcast it is. Without it, the first Add
+    the graph allows is taken."""
     graph = _Graph(model)
     by_name = {node.name: node for node in graph.nodes}
-    blocks = {}
+    found: dict[str, tuple[list[onnx.NodeProto], list[onnx.NodeProto]]] = {}
     for group_input, members in groups.items():
         downstream, reached = graph.downstream([by_name[m] for m in members])
-        add = _residual_add(graph, group_input, downstream, reached)
+        found[group_input] = (downstream, _candidates(graph, group_input, downstream, reached))
+    measured: dict[str, tuple[int, ...]] = {}
+    if shapes is not None:
+        tensors = {t for _, adds in found.values() for add in adds for t in [*add.input]}
+        measured = shapes(sorted(tensors)) if tensors else {}
+    blocks = {}
+    for group_input, (downstream, adds) in found.items():
+        add = next((a for a in adds if _unbroadcast(a, measured)), None)
         if add is None:
             continue
         upstream = graph.ancestors(add.output[0])
+        members = set(groups[group_input])
         inside = [
             node.name
             for node in downstream
@@ -134,3 +163,11 @@ def find_blocks(model: onnx.ModelProto, groups: dict[str, list[str]]) -> dict[st
         ]
         blocks[group_input] = Block(add.output[0], tuple(inside))
     return blocks
+
+
+def _unbroadcast(add: onnx.NodeProto, measured: dict[str, tuple[int, ...]]) -> bool:
+    """Both inputs of the same shape on real inputs (True where they were not measured)."""
+    a, b = add.input
+    if a not in measured or b not in measured:
+        return True
+    return measured[a] == measured[b]

@@ -29,7 +29,7 @@ from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import ort_reason
 from qtool.write.params import ActivationParams
 
-__all__ = ["Twin", "GroupScore", "probe_model", "score_groups"]
+__all__ = ["Twin", "GroupScore", "probe_model", "score_groups", "shapes_on"]
 
 
 @dataclass(frozen=True)
@@ -171,3 +171,20 @@ def score_groups(
     for group, total in totals.items():
         scores[group].layer_total = _relative(total)
     return scores
+
+
+def shapes_on(
+    model: onnx.ModelProto,
+    tensors: list[str],
+    batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of `tensors` in one run of `model` on the first of `batches()`."""
+    feed = next(iter(batches()), None)
+    if feed is None:
+        raise DataError("smoothquant: no tuning rows to score the smoothing factors on")
+    session = session_with_outputs(model, tensors, optimize=False)
+    try:
+        values = session.run(tensors, dict(feed))
+    except Exception as exc:  # ORT raises private types for bad feeds
+        raise DataError(f"smoothquant: tuning batch 0 failed: {ort_reason(exc)}") from None
+    return {name: tuple(np.shape(value)) for name, value in zip(tensors, values, strict=True)}
