@@ -35,6 +35,7 @@ from qtool.errors import RecipeError
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
+from qtool.pipeline.outputs import OutputFiles
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
@@ -77,27 +78,30 @@ class Recipe:
     algorithms: Algorithms = field(default_factory=Algorithms)
 
     @property
+    def outputs(self) -> OutputFiles:
+        """The files of the output folder by role, named as every stage names them."""
+        return OutputFiles(self.output_dir)
+
+    @property
     def float_model_path(self) -> Path:
-        return self.output_dir / "model.fp32.onnx"
+        return self.outputs.float_model
 
     @property
     def quant_model_path(self) -> Path:
         """model.int8.onnx, or model.int4.onnx when the recipe asks for 4-bit weights anywhere."""
-        bits = "int4" if self.quantization.uses_int4 else "int8"
-        return self.output_dir / f"model.{bits}.onnx"
+        return self.outputs.quantized_model(self.quantization.uses_int4)
 
     @property
     def stats_path(self) -> Path:
-        return self.output_dir / "stats.npz"
+        return self.outputs.stats
 
     @property
     def hessians_path(self) -> Path:
-        """GPTQ's XᵀX per layer input, written by the calibration run beside the stats file."""
-        return self.output_dir / "hessians.npz"
+        return self.outputs.hessians
 
     @property
     def report_path(self) -> Path:
-        return self.output_dir / "report.json"
+        return self.outputs.report
 
 
 _SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
