@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -29,16 +30,71 @@ def _hide_flag_types(command, ctx) -> None:
             param.metavar = ""
 
 
-class _Group(TyperGroup):
+# The click Typer parses with: Typer >= 0.2x vendors its own copy (typer._click), older Typer uses
+# click itself. Its exception module is where Typer's public BadParameter lives.
+_click_errors = importlib.import_module(typer.BadParameter.__module__)
+# Raised (click >= 8.2) by `qtool` and `qtool stats` without a command, after their help printed.
+_NO_ARGS_IS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())
+
+
+def usage_error_line(exc: Exception) -> str:
+    """Click's message for a bad option or argument, as the one line every other error is.
+
+    Click names the option or argument itself ("Invalid value for '--samples': ...", "Missing
+    argument 'files'."); the command's help is named after it instead of a usage box."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    return message if ctx is None else f"{message} (see '{ctx.command_path} --help')"
+
+
+class _Help:
+    """What qtool's commands and groups share: flags without a type column in --help, and
+    parse errors that carry their command's context."""
+
     def format_help(self, ctx, formatter) -> None:
         _hide_flag_types(self, ctx)
         super().format_help(ctx, formatter)
 
+    def parse_args(self, ctx, args):
+        """An error the option parser raises without a context ("Option '--shard' requires an
+        argument") gets this command's, so its one line can name the command's --help."""
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.UsageError as exc:
+            if exc.ctx is None:
+                exc.ctx = ctx
+            raise
 
-class _Command(TyperCommand):
-    def format_help(self, ctx, formatter) -> None:
-        _hide_flag_types(self, ctx)
-        super().format_help(ctx, formatter)
+
+class _Group(_Help, TyperGroup):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Typer's main, except that a bad option or argument of any command (click's UsageError,
+        BadParameter, MissingParameter, raised while parsing) is printed as a one-line `error:`
+        and exits 2, like a QtoolError, instead of Typer's usage box. `qtool` and `qtool stats`
+        without a command still print their help."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:  # Typer's rich help printed itself as it was formatted
+            sys.exit(exc.exit_code)
+        except _click_errors.ClickException as exc:
+            errors.print(
+                f"[bold red]error:[/] {escape(usage_error_line(exc))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            errors.print("[bold red]error:[/] aborted", highlight=False)
+            sys.exit(1)
+        # Without standalone mode click returns an Exit's code, or the command's return value
+        # (None: every command here returns None).
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Command(_Help, TyperCommand):
+    pass
 
 
 app = typer.Typer(
