@@ -9,7 +9,16 @@ in one line naming the file, node, tensor or option, and never move or replace a
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import onnx
 import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool.errors import OutputError
+from qtool.io import commit_files, not_a_file, stage
 
 
 def one_line(result, *words: str) -> str:
@@ -62,3 +71,171 @@ def test_help_is_unchanged(cli, args) -> None:
         return
     assert result.exit_code == 0 and "Usage: qtool" in result.output
     assert "╭─ Options" in result.output
+
+
+# --- models that name internals ------------------------------------------------------------------
+
+
+def _model(reads: str = "r", output: str = "y", relu: tuple[str, str] = ("Relu", "")):
+    rng = np.random.default_rng(0)
+    op_type, domain = relu
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node(op_type, ["h"], ["r"], name="act", domain=domain),
+        helper.make_node("Gemm", [reads, "w2"], ["y"], name="fc2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "internal_graph_name",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", 2])],
+        [
+            numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "w1"),
+            numpy_helper.from_array(rng.standard_normal((8, 2)).astype(np.float32), "w2"),
+        ],
+    )
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+def _recipe(folder: Path, model) -> Path:
+    onnx.save(model, folder / "model.onnx")
+    np.savez(folder / "data.npz", x=np.ones((8, 4), np.float32))
+    recipe = {
+        "model": {"onnx": "model.onnx"},
+        "inputs": {"x": [1, 4]},
+        "calibration": {"data": {"npz": "data.npz"}, "batch_size": 4},
+        "evaluation": {"data": {"npz": "data.npz"}},
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+COMMANDS = [["calibrate"], ["quantize"], ["analyze", "--samples", "4"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_node_reading_an_undefined_tensor_is_named(tmp_path, cli, command) -> None:
+    """Was: "element type of tensor 'y' ... cannot be inferred" (or, with op_types excluding
+    the reader, "no node can be quantized with quantization.op_types")."""
+    recipe = _recipe(tmp_path, _model(reads="r_typo"))
+    line = one_line(cli(command[0], recipe, *command[1:], "--no-progress"))
+    assert line == (
+        f"error: {tmp_path / 'model.onnx'}: node 'fc2' (Gemm) reads tensor 'r_typo', which no "
+        "node, initializer or graph input defines"
+    )
+
+
+def test_an_undefined_graph_output_is_named(tmp_path, cli) -> None:
+    """Was: ONNX Runtime's "Graph output (ghost) does not exist", about a temporary model."""
+    recipe = _recipe(tmp_path, _model(output="ghost"))
+    one_line(
+        cli("quantize", recipe, "--no-progress"),
+        str(tmp_path / "model.onnx"),
+        "graph output 'ghost'",
+    )
+
+
+def test_an_operator_onnx_does_not_define_is_named_with_its_domain(tmp_path, cli) -> None:
+    recipe = _recipe(tmp_path, _model(relu=("FancyRelu", "my.ops")))
+    line = one_line(cli("quantize", recipe, "--no-progress"), str(tmp_path / "model.onnx"))
+    assert "node 'act' is FancyRelu of domain 'my.ops'" in line and "output 'r'" in line
+    assert "internal_graph_name" not in line
+
+
+def test_an_opset_upgrade_failure_names_the_file_not_the_graph(tmp_path, cli) -> None:
+    model = _model()
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("my.ops", 1))
+    recipe = _recipe(tmp_path, model)
+    line = one_line(cli("quantize", recipe, "--no-progress"), str(tmp_path / "model.onnx"))
+    assert "internal_graph_name" not in line
+
+
+# --- folders where files belong, files where folders belong -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, cli) -> Path:
+    folder = tmp_path_factory.mktemp("messages")
+    recipe = _recipe(folder, _model())
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.output
+    return recipe
+
+
+def _folder_with_a_file(tmp_path: Path) -> Path:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("the user's")
+    return folder
+
+
+def test_folders_given_as_files_are_named_and_left_alone(quantized, tmp_path, cli) -> None:
+    out = quantized.parent / "out"
+    mine = _folder_with_a_file(tmp_path)
+    cases = [
+        (["calibrate", mine], f"{mine}: is a directory, not a recipe file"),
+        (["quantize", quantized, "--stats", mine], f"{mine}: is a directory, not a stats file"),
+        (["analyze", quantized, "--stats", mine], f"{mine}: is a directory, not a stats file"),
+        (["stats", "merge", mine, "-o", tmp_path / "m.npz"], f"{mine}: is a directory"),
+        (["stats", "merge", out / "stats.npz", "-o", mine], f"{mine}: is a directory"),
+        (["evaluate", quantized, "--json", mine], f"--json {mine}: is a directory"),
+        (["evaluate", quantized, "--junit", mine], f"--junit {mine}: is a directory"),
+        (["analyze", quantized, "--plot", mine], f"--plot {mine}: is a directory"),
+        (
+            ["evaluate", "--fp32", mine, "--quant", out / "model.int8.onnx", "--data", mine],
+            f"--fp32 {mine}: is a directory, not a model file",
+        ),
+        (
+            ["evaluate", "--fp32", out / "model.fp32.onnx", "--quant", mine, "--data", mine],
+            f"--data {mine}: is a directory, not a data file",
+        ),
+    ]
+    for args, words in cases:
+        one_line(cli(*args, *([] if args[0] == "stats" else ["--no-progress"])), words)
+        assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"], args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing moved aside
+
+
+def test_a_recipe_naming_a_folder_as_its_model(tmp_path, cli) -> None:
+    recipe = _recipe(tmp_path, _model())
+    (tmp_path / "model.onnx").unlink()
+    (tmp_path / "model.onnx").mkdir()
+    one_line(cli("quantize", recipe, "--no-progress"), "model.onnx: is a directory, not a file")
+
+
+def test_an_output_folder_that_is_a_file(quantized, tmp_path, cli) -> None:
+    blocker = tmp_path / "out-file"
+    blocker.write_text("not a folder")
+    line = one_line(cli("quantize", quantized, "-o", blocker, "--no-progress"))
+    assert line == f"error: --output-dir {blocker}: is a file, not a folder"
+    recipe = yaml.safe_load(quantized.read_text())
+    recipe["output"] = {"dir": str(blocker)}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "model.onnx").write_bytes((quantized.parent / "model.onnx").read_bytes())
+    (tmp_path / "data.npz").write_bytes((quantized.parent / "data.npz").read_bytes())
+    one_line(cli("calibrate", tmp_path / "recipe.yaml", "--no-progress"), "output.dir", "a file")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_commit_never_moves_a_folder_aside(tmp_path) -> None:
+    """Was: the folder was renamed to a hidden temporary, the file put in its place, and the
+    error claimed nothing was written."""
+    mine = _folder_with_a_file(tmp_path)
+    with pytest.raises(OutputError, match="is a directory"):
+        commit_files({mine: b"{}", tmp_path / "other.json": b"{}"})
+    with pytest.raises(OutputError, match="is a directory"):
+        stage(mine, lambda handle: handle.write(b"x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert (mine / "keep.txt").read_text() == "the user's"
+
+
+def test_not_a_file_says_which(tmp_path) -> None:
+    (tmp_path / "f").write_text("x")
+    assert not_a_file(tmp_path / "f") is None
+    assert not_a_file(tmp_path, "stats file") == "is a directory, not a stats file"
+    assert not_a_file(tmp_path / "missing", "stats file") == "stats file not found"

@@ -10,6 +10,7 @@ from rich.console import Console
 from qtool.app import settings
 from qtool.app.common import prepare
 from qtool.config.recipe import Recipe
+from qtool.errors import OutputError
 from qtool.io import commit_files
 from qtool.search import sensitivity
 from qtool.search.plan_file import plan_yaml
@@ -37,6 +38,8 @@ def run(
     use_cache: bool,
     progress: bool,
 ) -> SensitivityResult:
+    if plot is not None and plot.is_dir():  # refused before minutes of analysis, not after
+        raise OutputError(f"--plot {plot}: is a directory; name the PNG file")
     modes = parse_modes(mode)
     chosen = parse_candidates(candidates) if candidates is not None else None
     job = settings.job(recipe)

@@ -89,7 +89,7 @@ def _prepare(recipe: Recipe, net) -> Prepared:
     check_inputs(loaded, recipe.inputs, str(recipe.model.pytorch))
     fit_ir_version(loaded, str(recipe.model.pytorch))
     min_opset = planning.min_opset(recipe.model.opset, recipe.quantization)
-    model = prepare_in_place(loaded, min_opset)
+    model = prepare_in_place(loaded, min_opset, str(recipe.model.pytorch))
     del loaded
     frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model))
     layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)

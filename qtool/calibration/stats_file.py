@@ -27,7 +27,7 @@ from qtool.calibration.archive import MAX_INDEX_BYTES, write_member
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
-from qtool.io import atomic_write_bytes
+from qtool.io import atomic_write_bytes, not_a_file
 from qtool.zip_members import MAX_NPY_HEADER_BYTES, READ_ERRORS, NpyMember, read_member
 
 FORMAT = "qtool-stats/1"
@@ -203,8 +203,10 @@ def read_stats_file(path: Path) -> StatsFile:
     would become a NaN scale in the model.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(f"{path}: stats file not found (run `qtool calibrate` first)")
+    problem = not_a_file(path, "stats file")
+    if problem is not None:
+        advice = " (run `qtool calibrate` first)" if not path.exists() else ""
+        raise CalibrationError(f"{path}: {problem}{advice}")
     try:
         with zipfile.ZipFile(path) as archive:
             index = json.loads(
