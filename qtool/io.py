@@ -158,6 +158,8 @@ def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
     too: none of this run's outputs survive it.
     """
     targets = [Path(p) for p in files]
+    if not targets:
+        return
     written: dict[Path, Path] = {}
     for path, content in zip(targets, files.values(), strict=True):
         if isinstance(content, Staged):
@@ -206,14 +208,18 @@ def _backup(path: Path) -> Path | None:
 
 
 def _rename_all(written: dict[Path, Path]) -> None:
-    backups = {path: _backup(path) for path in written}
+    backups: dict[Path, Path | None] = {}
     done: list[Path] = []
+    failed = next(iter(written))
     try:
+        for path in written:  # inside the try: a failed backup restores the ones made before it
+            failed = path
+            backups[path] = _backup(path)
         for path, tmp in written.items():
+            failed = path
             os.replace(tmp, path)
             done.append(path)
-    except OSError as exc:
-        failed = next(p for p in written if p not in done)
+    except BaseException as exc:  # a full disk, or Ctrl-C between two renames: undo them all
         for path, backup in backups.items():
             try:
                 if backup is None:
@@ -225,7 +231,9 @@ def _rename_all(written: dict[Path, Path]) -> None:
                     backup.unlink(missing_ok=True)
             except OSError:  # best effort: the first error is the one to report
                 continue
-        raise _fail(failed, exc, len(written)) from None
+        if isinstance(exc, OSError):
+            raise _fail(failed, exc, len(written)) from None
+        raise
     for backup in backups.values():  # every output is in place: a leftover is not a failure
         if backup is not None:
             with contextlib.suppress(OSError):

@@ -45,34 +45,37 @@ def run(
     job = settings.job(recipe)
     sensitivity.check_request(job, samples, metric)
     prepared = prepare(recipe)
-    result = sensitivity.analyze(
-        prepared,
-        job,
-        stats_path=stats,
-        modes=modes,
-        candidates=chosen,
-        samples=samples,
-        metric=metric,
-        progress=progress,
-        use_cache=use_cache,
-    )
-    out = recipe.output_dir
-    files = {
-        out / "sensitivity.json": sensitivity_json(result),
-        out / "plan.yaml": plan_yaml(
-            prepared.model.model,
-            recipe.quantization,
-            prepared.layout.plan,
-            [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
-        ).encode(),
-    }
-    plot_path = plot if plot is not None else out / "sensitivity.png"
-    plot_note = None
     try:
-        files[plot_path] = plot_png(result)
-    except PlotUnavailable as exc:
-        plot_note = f"no plot: {exc}"
-    commit_files(files)
+        result = sensitivity.analyze(
+            prepared,
+            job,
+            stats_path=stats,
+            modes=modes,
+            candidates=chosen,
+            samples=samples,
+            metric=metric,
+            progress=progress,
+            use_cache=use_cache,
+        )
+        out = recipe.output_dir
+        files = {
+            out / "sensitivity.json": sensitivity_json(result),
+            out / "plan.yaml": plan_yaml(
+                prepared.model.model,
+                recipe.quantization,
+                prepared.layout.plan,
+                [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
+            ).encode(),
+        }
+        plot_path = plot if plot is not None else out / "sensitivity.png"
+        plot_note = None
+        try:
+            files[plot_path] = plot_png(result)
+        except PlotUnavailable as exc:
+            plot_note = f"no plot: {exc}"
+        commit_files(files)
+    finally:
+        prepared.model.discard()  # a staged float model never outlives the run
 
     if any(m in result.modes for m in ("one-at-a-time", "all-but-one")):
         console.print(sensitivity_table(result))

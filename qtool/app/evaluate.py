@@ -20,7 +20,7 @@ from qtool.config.recipe import Recipe, load_recipe
 from qtool.data.batches import iter_batches
 from qtool.data.spec import DataSpec, InputSpec
 from qtool.errors import DataError, ModelError, OutputError, RecipeError
-from qtool.io import atomic_write_bytes, atomic_write_text, not_a_file
+from qtool.io import commit_files, not_a_file
 from qtool.metrics.evaluate import Batch, evaluate_models
 from qtool.metrics.gates import GateResult, Gates, judge_gates
 from qtool.metrics.junit import junit_xml
@@ -173,11 +173,15 @@ def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResul
 
 
 def write_reports(evaluation: Evaluation, json_path: Path | None, junit_path: Path | None) -> None:
+    """Both reports or neither (one commit): a CI job never reads a JSON of this run beside a
+    JUnit file of the last one."""
+    files: dict[Path, bytes] = {}
     if json_path is not None:
         report = evaluation.result.to_dict(evaluation.gates)
-        atomic_write_text(json_path, json.dumps(report, indent=2, allow_nan=False) + "\n")
+        files[json_path] = (json.dumps(report, indent=2, allow_nan=False) + "\n").encode()
     if junit_path is not None:
-        atomic_write_bytes(junit_path, junit_xml(evaluation.result, evaluation.gates))
+        files[junit_path] = junit_xml(evaluation.result, evaluation.gates)
+    commit_files(files)
 
 
 def _check_report_paths(options: EvaluateOptions) -> None:

@@ -34,7 +34,7 @@ from qtool.ort.cpu import resolve_cpu
 from qtool.phases import phase
 from qtool.pipeline import planning
 from qtool.pipeline.build import Built
-from qtool.pipeline.finish import verify_and_report, verify_feeds
+from qtool.pipeline.finish import Finished, verify_and_report, verify_feeds
 from qtool.pipeline.float_model import freeze, prepare_in_place, source_sha256
 from qtool.pipeline.prepare import Prepared
 from qtool.qat import export
@@ -134,6 +134,7 @@ def run_qat(
         net.eval()
         teacher = copy.deepcopy(net)
     prepared = _prepare(recipe, net)
+    finished: Finished | None = None
     try:
         layout, model = prepared.layout, prepared.model.model
         calibration = statistics(recipe, prepared, stats_path, progress, group)
@@ -321,5 +322,7 @@ def run_qat(
         )
         group.barrier("waiting for rank 0 to write the QAT model")
         return QatResult(recipe.quant_model_path, recipe.report_path, report, finished.warnings)
-    finally:
-        prepared.model.discard()  # a staged float model never outlives the run
+    finally:  # neither staged model (float, quantized) outlives the run
+        prepared.model.discard()
+        if finished is not None:
+            finished.discard()

@@ -30,7 +30,7 @@ from qtool import __version__
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.data.batches import Batch
-from qtool.errors import CalibrationError, RecipeError
+from qtool.errors import CalibrationError, ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.model import provenance
 from qtool.model.opset21 import TARGET_OPSET
@@ -324,6 +324,11 @@ def analyze(
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
     check_request(job, samples, metric)
+    if prepared.model.staged is not None:  # the scorer's float session needs the model's bytes
+        raise ModelError(
+            f"{job.where}: sensitivity analysis does not support models stored as external data "
+            "(over 2 GB) yet"
+        )
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
