@@ -6,7 +6,6 @@ scripts can tell bad input (2) from a failed accuracy gate (1) and from success 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
@@ -20,6 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from qtool import __version__
 from qtool.errors import QtoolError
+from qtool.progress import showing
 
 
 def _hide_flag_types(command, ctx) -> None:
@@ -112,38 +112,15 @@ RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file.", show_defaul
 OutputOpt = Annotated[
     Path | None, typer.Option("--output-dir", "-o", help="Override the recipe's output.dir.")
 ]
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
-
-
-@contextlib.contextmanager
-def _phase_display(enabled: bool):
-    """Show the pipeline's current phase (qtool/phases.py) as a spinner line while it runs.
-
-    It draws on rich's global console, the one the calibration and evaluation progress bars use,
-    and each phase ends before such a bar starts, so the two never fight over the terminal. On a
-    non-terminal (CI logs) the transient status prints nothing.
-    """
-    if not enabled:
-        yield
-        return
-    import rich
-
-    from qtool.phases import listening
-
-    status = rich.get_console().status("", spinner="dots")
-
-    def show(name: str | None) -> None:
-        if name is None:
-            status.stop()
-        else:
-            status.start()
-            status.update(f"{name}...")  # renders at once, not at the next spinner tick
-
-    try:
-        with listening(show):
-            yield
-    finally:
-        status.stop()
+ProgressOpt = Annotated[
+    bool,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress on stderr: on a terminal the phase and progress bars; elsewhere (CI "
+        "logs, pipes) a line per phase with its time and a progress line at most every 10 s "
+        "(at least every 10 s while a phase runs). --no-progress: none of it.",
+    ),
+]
 
 
 def user_errors(command):
@@ -214,7 +191,7 @@ def calibrate(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             prepared = prepare(loaded)
             stats = run_calibrate(loaded, prepared, progress=progress, shard=part)
     finally:
@@ -292,7 +269,7 @@ def quantize(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
     console.print(
@@ -359,7 +336,7 @@ def qat(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             result = run_qat(loaded, resume=resume, progress=progress, stats_path=stats)
     finally:
         distributed.shutdown()
@@ -507,7 +484,8 @@ def evaluate(
         json_path=json_path,
         junit_path=junit_path,
     )
-    evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
+    with showing(progress):
+        evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
     result = evaluation.result
     console.print(render_table(result))
     for note in [*kind_notes(result), *fused_unfused_notes(result), *low_bit_notes(result)]:
@@ -572,7 +550,7 @@ def analyze(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         run(
             loaded,
             console,

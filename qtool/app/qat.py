@@ -172,36 +172,42 @@ def run_qat(
             int8_inputs,
         )
 
-        train_spec = qat.data or recipe.calibration.data
-        max_samples = None if qat.data is not None else recipe.calibration.max_samples
-        inputs, labels, _ = _stack(train_spec, recipe, max_samples)
-        distill = labels is None or qat.loss is None
-        if distill:
-            size = len(inputs[names[0]])
-            chunks = [{n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)]
-            outs = export.torch_outputs(teacher, chunks, names)
-            targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
-        else:
-            targets = labels
-        data = TrainingSet(inputs, targets, distill)
-        loss_fn, loss_name = make_loss(qat.loss, distill)
+        with phase("reading the training data"):
+            train_spec = qat.data or recipe.calibration.data
+            max_samples = None if qat.data is not None else recipe.calibration.max_samples
+            inputs, labels, _ = _stack(train_spec, recipe, max_samples)
+            distill = labels is None or qat.loss is None
+            if distill:
+                size = len(inputs[names[0]])
+                chunks = [
+                    {n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)
+                ]
+                outs = export.torch_outputs(teacher, chunks, names)
+                targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
+            else:
+                targets = labels
+            data = TrainingSet(inputs, targets, distill)
+            loss_fn, loss_name = make_loss(qat.loss, distill)
 
-        evaluation = recipe.evaluation
-        eval_feeds, eval_labels = None, None
-        if evaluation is not None:
-            batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
-            eval_feeds = [b.inputs for b in batches]
-            if batches[0].labels is not None:
-                eval_labels = [b.labels for b in batches]
-        check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
+            evaluation = recipe.evaluation
+            eval_feeds, eval_labels = None, None
+            if evaluation is not None:
+                batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
+                eval_feeds = [b.inputs for b in batches]
+                if batches[0].labels is not None:
+                    eval_labels = [b.labels for b in batches]
+            check_feeds = eval_feeds or [
+                b.inputs for b in _stack(train_spec, recipe, max_samples)[2]
+            ]
 
         accuracy = {}
         if eval_labels is not None and group.primary:
-            fp32 = export.torch_outputs(teacher, eval_feeds, names)
-            accuracy["fp32"] = export.accuracy(fp32, eval_labels)
-            accuracy["fake_quant_before"] = export.accuracy(
-                export.torch_outputs(fake, eval_feeds, names), eval_labels
-            )
+            with phase("measuring accuracy before training"):
+                fp32 = export.torch_outputs(teacher, eval_feeds, names)
+                accuracy["fp32"] = export.accuracy(fp32, eval_labels)
+                accuracy["fake_quant_before"] = export.accuracy(
+                    export.torch_outputs(fake, eval_feeds, names), eval_labels
+                )
         identity = {
             "float_model_sha256": prepared.model.fingerprint,
             "calibration_data_sha256": calibration.data_sha256 or "none",

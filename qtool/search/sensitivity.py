@@ -23,8 +23,7 @@ from pathlib import Path
 
 import onnx
 import onnxruntime
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool import __version__
 from qtool.calibration.hessian_file import load_hessians
@@ -40,6 +39,7 @@ from qtool.pipeline.requests import requests_for
 from qtool.pipeline.statistics import collect_statistics
 from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
+from qtool.progress import bars
 from qtool.search.cache import AnalysisCache, cache_key
 from qtool.search.layers import layer_sqnr
 from qtool.search.result import (
@@ -287,17 +287,15 @@ def _key_inputs(
     }
 
 
-def _progress(enabled: bool) -> Progress:
-    console = Console(stderr=True)
-    return Progress(
+def _progress(enabled: bool):
+    return bars(
+        enabled,
         TextColumn("analysing"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-        disable=not enabled or not console.is_terminal,
+        line="analysing: {count} measurements ({description})",
     )
 
 
