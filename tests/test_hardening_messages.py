@@ -239,3 +239,57 @@ def test_not_a_file_says_which(tmp_path) -> None:
     assert not_a_file(tmp_path / "f") is None
     assert not_a_file(tmp_path, "stats file") == "is a directory, not a stats file"
     assert not_a_file(tmp_path / "missing", "stats file") == "stats file not found"
+
+
+# --- files the OS refuses to read (root reads through chmod 000: the refusal is simulated) -----
+
+
+def _refuse(monkeypatch, target: Path) -> None:
+    import builtins
+    import zipfile
+
+    real_open, real_zip, real_read = builtins.open, zipfile.ZipFile, Path.read_bytes
+
+    def refused(path) -> bool:
+        return str(path) == str(target)
+
+    def denied(path):
+        return PermissionError(13, "Permission denied", str(path))
+
+    def open_(file, *args, **kwargs):
+        if refused(file):
+            raise denied(file)
+        return real_open(file, *args, **kwargs)
+
+    def zip_(file, *args, **kwargs):
+        if refused(file):
+            raise denied(file)
+        return real_zip(file, *args, **kwargs)
+
+    def read_bytes(self):
+        if refused(self):
+            raise denied(self)
+        return real_read(self)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(zipfile, "ZipFile", zip_)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("model.onnx", "cannot read the model file"),
+        ("out/stats.npz", "cannot read the stats file (Permission denied)"),
+        ("data.npz", "Permission denied"),
+    ],
+)
+def test_unreadable_files_are_named_not_called_corrupt(
+    quantized, tmp_path, cli, monkeypatch, name, words
+) -> None:
+    target = quantized.parent / name
+    _refuse(monkeypatch, target)
+    stats = ["--stats", quantized.parent / "out" / "stats.npz"] if name.startswith("out") else []
+    result = cli("quantize", quantized, *stats, "-o", tmp_path / "out", "--no-progress")
+    line = one_line(result, str(target), words)
+    assert "corrupt" not in line

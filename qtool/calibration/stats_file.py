@@ -28,7 +28,13 @@ from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes, not_a_file
-from qtool.zip_members import MAX_NPY_HEADER_BYTES, READ_ERRORS, NpyMember, read_member
+from qtool.zip_members import (
+    MAX_NPY_HEADER_BYTES,
+    READ_ERRORS,
+    NpyMember,
+    damage,
+    read_member,
+)
 
 FORMAT = "qtool-stats/1"
 # The largest `bins` a stats file may record: recipe.MAX_BINS, the largest calibration.bins
@@ -223,7 +229,9 @@ def read_stats_file(path: Path) -> StatsFile:
                     f"{path}: index bins is {bins}; calibration.bins is at most {MAX_BINS}"
                 )
             stats = [_checked_tensor(path, archive, entry, bins) for entry in index["tensors"]]
-    except (*READ_ERRORS, KeyError, ValueError, TypeError, RecursionError) as exc:
+    except READ_ERRORS as exc:
+        raise CalibrationError(f"{path}: {damage(exc, 'stats file')}") from None
+    except (KeyError, ValueError, TypeError, RecursionError) as exc:
         raise CalibrationError(
             f"{path}: corrupt stats file ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
