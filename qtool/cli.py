@@ -6,8 +6,8 @@ scripts can tell bad input (2) from a failed accuracy gate (1) and from success 
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import importlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from qtool import __version__
 from qtool.errors import QtoolError
+from qtool.progress import showing
 
 
 def _hide_flag_types(command, ctx) -> None:
@@ -29,16 +30,71 @@ def _hide_flag_types(command, ctx) -> None:
             param.metavar = ""
 
 
-class _Group(TyperGroup):
+# The click Typer parses with: Typer >= 0.2x vendors its own copy (typer._click), older Typer uses
+# click itself. Its exception module is where Typer's public BadParameter lives.
+_click_errors = importlib.import_module(typer.BadParameter.__module__)
+# Raised (click >= 8.2) by `qtool` and `qtool stats` without a command, after their help printed.
+_NO_ARGS_IS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())
+
+
+def usage_error_line(exc: Exception) -> str:
+    """Click's message for a bad option or argument, as the one line every other error is.
+
+    Click names the option or argument itself ("Invalid value for '--samples': ...", "Missing
+    argument 'files'."); the command's help is named after it instead of a usage box."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    return message if ctx is None else f"{message} (see '{ctx.command_path} --help')"
+
+
+class _Help:
+    """What qtool's commands and groups share: flags without a type column in --help, and
+    parse errors that carry their command's context."""
+
     def format_help(self, ctx, formatter) -> None:
         _hide_flag_types(self, ctx)
         super().format_help(ctx, formatter)
 
+    def parse_args(self, ctx, args):
+        """An error the option parser raises without a context ("Option '--shard' requires an
+        argument") gets this command's, so its one line can name the command's --help."""
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.UsageError as exc:
+            if exc.ctx is None:
+                exc.ctx = ctx
+            raise
 
-class _Command(TyperCommand):
-    def format_help(self, ctx, formatter) -> None:
-        _hide_flag_types(self, ctx)
-        super().format_help(ctx, formatter)
+
+class _Group(_Help, TyperGroup):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Typer's main, except that a bad option or argument of any command (click's UsageError,
+        BadParameter, MissingParameter, raised while parsing) is printed as a one-line `error:`
+        and exits 2, like a QtoolError, instead of Typer's usage box. `qtool` and `qtool stats`
+        without a command still print their help."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:  # Typer's rich help printed itself as it was formatted
+            sys.exit(exc.exit_code)
+        except _click_errors.ClickException as exc:
+            errors.print(
+                f"[bold red]error:[/] {escape(usage_error_line(exc))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            errors.print("[bold red]error:[/] aborted", highlight=False)
+            sys.exit(1)
+        # Without standalone mode click returns an Exit's code, or the command's return value
+        # (None: every command here returns None).
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Command(_Help, TyperCommand):
+    pass
 
 
 app = typer.Typer(
@@ -56,38 +112,15 @@ RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file.", show_defaul
 OutputOpt = Annotated[
     Path | None, typer.Option("--output-dir", "-o", help="Override the recipe's output.dir.")
 ]
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
-
-
-@contextlib.contextmanager
-def _phase_display(enabled: bool):
-    """Show the pipeline's current phase (qtool/phases.py) as a spinner line while it runs.
-
-    It draws on rich's global console, the one the calibration and evaluation progress bars use,
-    and each phase ends before such a bar starts, so the two never fight over the terminal. On a
-    non-terminal (CI logs) the transient status prints nothing.
-    """
-    if not enabled:
-        yield
-        return
-    import rich
-
-    from qtool.phases import listening
-
-    status = rich.get_console().status("", spinner="dots")
-
-    def show(name: str | None) -> None:
-        if name is None:
-            status.stop()
-        else:
-            status.start()
-            status.update(f"{name}...")  # renders at once, not at the next spinner tick
-
-    try:
-        with listening(show):
-            yield
-    finally:
-        status.stop()
+ProgressOpt = Annotated[
+    bool,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress on stderr: on a terminal the phase and progress bars; elsewhere (CI "
+        "logs, pipes) a line per phase with its time and a progress line at most every 10 s "
+        "(at least every 10 s while a phase runs). --no-progress: none of it.",
+    ),
+]
 
 
 def user_errors(command):
@@ -158,7 +191,7 @@ def calibrate(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             prepared = prepare(loaded)
             stats = run_calibrate(loaded, prepared, progress=progress, shard=part)
     finally:
@@ -236,7 +269,7 @@ def quantize(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
     console.print(
@@ -303,7 +336,7 @@ def qat(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             result = run_qat(loaded, resume=resume, progress=progress, stats_path=stats)
     finally:
         distributed.shutdown()
@@ -451,7 +484,8 @@ def evaluate(
         json_path=json_path,
         junit_path=junit_path,
     )
-    evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
+    with showing(progress):
+        evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
     result = evaluation.result
     console.print(render_table(result))
     for note in [*kind_notes(result), *fused_unfused_notes(result), *low_bit_notes(result)]:
@@ -516,7 +550,7 @@ def analyze(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         run(
             loaded,
             console,

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool.algorithms.adaround import (
     Geometry,
@@ -57,6 +57,7 @@ from qtool.ort.cpu import CpuFeatures
 from qtool.ort.sessions import ort_reason
 from qtool.phases import phase
 from qtool.plan.layout import Layout, WeightSlot
+from qtool.progress import bars
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.params import ActivationParams, WeightParams
 from qtool.write.weight_format import FORMAT_LIMITS, keeps_pair_limit, restore_pair_limit
@@ -357,14 +358,14 @@ def round_layer(
     return LayerResult(stored, entry)
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
+def _progress(enabled: bool):
+    return bars(
+        enabled,
         TextColumn("AdaRound {task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        disable=not enabled,
-        transient=True,
+        line="AdaRound {description}: {count}",
     )
 
 

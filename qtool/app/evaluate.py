@@ -19,8 +19,8 @@ import onnx
 from qtool.config.recipe import Recipe, load_recipe
 from qtool.data.batches import iter_batches
 from qtool.data.spec import DataSpec, InputSpec
-from qtool.errors import DataError, ModelError, RecipeError
-from qtool.io import atomic_write_bytes, atomic_write_text
+from qtool.errors import DataError, ModelError, OutputError, RecipeError
+from qtool.io import commit_files, not_a_file
 from qtool.metrics.evaluate import Batch, evaluate_models
 from qtool.metrics.gates import GateResult, Gates, judge_gates
 from qtool.metrics.junit import junit_xml
@@ -73,6 +73,7 @@ def run(
     """Evaluate a recipe's models (`recipe`, `output_dir`) or explicit files (`fp32`, `quant`,
     `data`), judge the gates and write the requested JSON and JUnit reports."""
     rows = _check_options(options)
+    _check_report_paths(options)
     if recipe is not None:
         if fp32 is not None or quant is not None or data is not None:
             raise RecipeError("evaluate takes a RECIPE or --fp32/--quant/--data, not both")
@@ -163,18 +164,35 @@ def accuracy_source(where: str) -> str:
 def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:
     """Evaluate recipe-style batches (qtool.data.batches.Batch); `options` go to evaluate_models."""
     for path in (fp32_path, quant_path):
-        if not Path(path).is_file():
-            raise ModelError(f"{path}: model file not found (run `qtool quantize` first)")
+        problem = not_a_file(path, "model file")
+        if problem is not None:
+            advice = " (run `qtool quantize` first)" if not Path(path).exists() else ""
+            raise ModelError(f"{path}: {problem}{advice}")
     pairs: Iterable[Batch] = ((batch.inputs, batch.labels) for batch in batches)
     return evaluate_models(Path(fp32_path), Path(quant_path), pairs, **options)
 
 
 def write_reports(evaluation: Evaluation, json_path: Path | None, junit_path: Path | None) -> None:
+    """Both reports or neither (one commit): a CI job never reads a JSON of this run beside a
+    JUnit file of the last one."""
+    files: dict[Path, bytes] = {}
     if json_path is not None:
         report = evaluation.result.to_dict(evaluation.gates)
-        atomic_write_text(json_path, json.dumps(report, indent=2, allow_nan=False) + "\n")
+        files[json_path] = (json.dumps(report, indent=2, allow_nan=False) + "\n").encode()
     if junit_path is not None:
-        atomic_write_bytes(junit_path, junit_xml(evaluation.result, evaluation.gates))
+        files[junit_path] = junit_xml(evaluation.result, evaluation.gates)
+    commit_files(files)
+
+
+def _check_report_paths(options: EvaluateOptions) -> None:
+    """Refuse report paths that cannot be written before the models run (minutes on a large
+    model), naming the option."""
+    paths = {"--json": options.json_path, "--junit": options.junit_path}
+    for option, path in paths.items():
+        if path is not None and Path(path).is_dir():
+            raise OutputError(f"{option} {path}: is a directory; name the report file")
+    if options.json_path is not None and options.json_path == options.junit_path:
+        raise OutputError(f"--json and --junit both name {options.json_path}")
 
 
 def quantized_path(recipe: Recipe) -> Path:
@@ -197,10 +215,12 @@ def npz_batches(model_path: Path, data: Path, batch_size: int):
     Symbolic dims (`[N, 3, H, W]`) stay symbolic, so data of any size along them is accepted
     (ORT checks it fits the graph), and a mismatch names the model file and its declared shape.
     """
-    if not model_path.is_file():
-        raise ModelError(f"{model_path}: model file not found")
-    if not data.is_file():
-        raise DataError(f"{data}: data file not found")
+    problem = not_a_file(model_path, "model file")
+    if problem is not None:
+        raise ModelError(f"--fp32 {model_path}: {problem}")
+    problem = not_a_file(data, "data file")
+    if problem is not None:
+        raise DataError(f"--data {data}: {problem}")
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a corrupt file

@@ -32,6 +32,7 @@ from qtool.config import presets
 from qtool.config.yaml_load import load_yaml
 from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
 from qtool.errors import RecipeError
+from qtool.io import not_a_file
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
@@ -179,8 +180,9 @@ class _Reader:
 
     def existing_file(self, value: Any, where: str) -> Path:
         path = self.base / self.string(value, where)
-        if not self.probe(path, where, Path.is_file):
-            raise self.fail(where, f"file not found: {path}")
+        problem = self.probe(path, where, not_a_file)
+        if problem is not None:
+            raise self.fail(where, f"{problem}: {path}")
         return path
 
     def existing_dir(self, value: Any, where: str) -> Path:
@@ -230,8 +232,9 @@ def _join(where: str, key: str) -> str:
 def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recipe:
     """Parse and validate a recipe file; every problem is a RecipeError naming the key path."""
     recipe_path = Path(path)
-    if not recipe_path.is_file():
-        raise RecipeError(f"{recipe_path}: recipe file not found")
+    problem = not_a_file(recipe_path, "recipe file")
+    if problem is not None:
+        raise RecipeError(f"{recipe_path}: {problem}")
     raw = load_yaml(recipe_path)
     reader = _Reader(recipe_path)
     raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
@@ -261,8 +264,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     reader.mapping(out, "output", {"dir"})
     if output_dir is not None:
         out_path = Path(output_dir)
+        if reader.probe(out_path, "--output-dir", Path.exists) and not out_path.is_dir():
+            raise RecipeError(f"--output-dir {out_path}: is a file, not a folder")
     else:
         out_path = reader.base / reader.string(out.get("dir", "out"), "output.dir")
+        if reader.probe(out_path, "output.dir", Path.exists) and not out_path.is_dir():
+            raise reader.fail("output.dir", f"is a file, not a folder: {out_path}")
     seed = reader.integer(top.get("seed", 0), "seed", minimum=0)
     mixed = None
     if "mixed_precision" in top:

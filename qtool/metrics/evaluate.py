@@ -25,8 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool.errors import DataError, ModelError
 from qtool.metrics.fusion_gap import fused_gap_warning
@@ -47,22 +46,21 @@ from qtool.metrics.signal import SignalQuality
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import create_session
+from qtool.progress import bars
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import low_bit_usage, written_accuracy_levels
 
 Batch = tuple[Mapping[str, np.ndarray], np.ndarray | None]
 
 
-def _progress(enabled: bool, total: int | None) -> Progress:
-    console = Console(stderr=True)
-    return Progress(
+def _progress(enabled: bool, total: int | None):
+    return bars(
+        enabled,
         TextColumn("evaluating"),
         BarColumn(),
         MofNCompleteColumn() if total is not None else TextColumn("{task.completed} batches"),
         TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not enabled or not console.is_terminal,
+        line="evaluating: {count} batches",
     )
 
 

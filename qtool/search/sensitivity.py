@@ -23,14 +23,13 @@ from pathlib import Path
 
 import onnx
 import onnxruntime
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool import __version__
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.data.batches import Batch
-from qtool.errors import CalibrationError, RecipeError
+from qtool.errors import CalibrationError, ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.model import provenance
 from qtool.model.opset21 import TARGET_OPSET
@@ -40,6 +39,7 @@ from qtool.pipeline.requests import requests_for
 from qtool.pipeline.statistics import collect_statistics
 from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
+from qtool.progress import bars
 from qtool.search.cache import AnalysisCache, cache_key
 from qtool.search.layers import layer_sqnr
 from qtool.search.result import (
@@ -287,17 +287,15 @@ def _key_inputs(
     }
 
 
-def _progress(enabled: bool) -> Progress:
-    console = Console(stderr=True)
-    return Progress(
+def _progress(enabled: bool):
+    return bars(
+        enabled,
         TextColumn("analysing"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-        disable=not enabled or not console.is_terminal,
+        line="analysing: {count} measurements ({description})",
     )
 
 
@@ -324,6 +322,11 @@ def analyze(
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
     check_request(job, samples, metric)
+    if prepared.model.staged is not None:  # the scorer's float session needs the model's bytes
+        raise ModelError(
+            f"{job.where}: sensitivity analysis does not support models stored as external data "
+            "(over 2 GB) yet"
+        )
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
