@@ -419,52 +419,103 @@ def score_models(
     decode: int = 32,
     rounds: int = 3,
     log: Callable[[str], None] = print,
+    scratch: Path | None = None,
 ) -> dict[str, dict]:
     """Score FP32 and `models` ({label: path}) on the held-out windows [n, length]: one dict per
     label (perplexity, nll, tokens, top1_agreement and kl against FP32, size_bytes, kernel ops,
-    latency). Windows run model after model in lockstep so FP32's log-probabilities of a window
-    are computed once and never stored whole. A model that fails to load or run gets a
-    `status: failed: ...` entry and the others go on."""
-    sessions: dict[str, Any] = {"fp32": _session(fp32, threads)}
-    rows: dict[str, dict] = {"fp32": {"status": "ok"}}
-    for label, path in models.items():
-        try:
-            sessions[label] = _session(path, threads)
-            rows[label] = {"status": "ok"}
-        except Exception as exc:  # noqa: BLE001 - reported in its row
-            rows[label] = {"status": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
-    stats = {label: TokenStats() for label in sessions}
-    started = time.perf_counter()
-    for w, window in enumerate(heldout):
-        labels_all = window[1:]
-        logits = {}
-        for label, session in list(sessions.items()):
-            try:
-                logits[label] = window_logits(session, window, info)[:-1]
-            except Exception as exc:  # noqa: BLE001 - reported in its row
-                if label == "fp32":
-                    raise
-                rows[label] = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
-                del sessions[label], stats[label]
-        for part in _chunks(len(labels_all)):
-            reference = log_softmax(logits["fp32"][part])
-            stats["fp32"].add(reference, labels_all[part])
-            for label in logits:
-                if label != "fp32" and label in stats:
-                    stats[label].add(log_softmax(logits[label][part]), labels_all[part], reference)
-        if w == 0 or (w + 1) % 8 == 0:
-            log(f"  window {w + 1}/{len(heldout)} ({time.perf_counter() - started:.0f} s)")
-    timing = latency(sessions, info, heldout[0], prompt, decode, rounds)
-    paths = {"fp32": fp32, **models}
-    for label, s in stats.items():
-        rows[label].update(s.row())
-        rows[label]["latency"] = timing[label]
-    for label, path in paths.items():
+    latency). A model that fails to load or run gets `status: failed: ...`; the others go on.
+
+    Memory: FP32's logits of every window are written once to `scratch` (float32 .npy files, a
+    temporary folder by default) and read back while each model runs, one model session at a
+    time next to FP32's. Holding every session and every model's logits at once (the first
+    design) took 13 GB on Gemma 3 270M (262k-token vocabulary) and was killed by the kernel.
+    Latency: each model is timed in rounds interleaved with FP32 (`latency_vs_fp32` is the
+    ratio of those same rounds, robust to load that changes from one model to the next); FP32's
+    own latency is the median over all its rounds."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=scratch, prefix="llm-fp32-logits-") as tmp:
+        folder = Path(tmp)
+        reference_session = _session(fp32, threads)
+        rows: dict[str, dict] = {"fp32": {"status": "ok"}}
+        stats = TokenStats()
+        started = time.perf_counter()
+        for w, window in enumerate(heldout):
+            logits = window_logits(reference_session, window, info)[:-1]
+            np.save(folder / f"{w}.npy", logits)
+            for part in _chunks(len(logits)):
+                stats.add(log_softmax(logits[part]), window[1:][part])
+        rows["fp32"].update(stats.row())
+        log(f"  FP32: {len(heldout)} windows in {time.perf_counter() - started:.0f} s")
+        fp32_times: list[dict] = []
+        for label, path in models.items():
+            rows[label] = _score_one(
+                label,
+                path,
+                reference_session,
+                folder,
+                heldout,
+                info,
+                threads,
+                (prompt, decode, rounds),
+                fp32_times,
+            )
+            log(f"  {label}: {rows[label]['status']} ({time.perf_counter() - started:.0f} s)")
+        if not fp32_times:  # no model to pair with: FP32 alone
+            fp32_times.append(
+                latency({"fp32": reference_session}, info, heldout[0], prompt, decode, rounds)[
+                    "fp32"
+                ]
+            )
+        rows["fp32"]["latency"] = {
+            "decode_ms_per_token": float(np.median([t["decode_ms_per_token"] for t in fp32_times])),
+            "prefill_ms": float(np.median([t["prefill_ms"] for t in fp32_times])),
+            "prompt_tokens": prompt,
+            "decode_tokens": decode,
+            "rounds": rounds * len(fp32_times),
+        }
+    for label, path in {"fp32": fp32, **models}.items():
         if Path(path).is_file():
             rows[label]["size_bytes"] = _model_bytes(Path(path))
             rows[label]["kernel_ops"] = _kernel_ops(Path(path))
     rows["fp32"]["evaluation_s"] = time.perf_counter() - started
     return rows
+
+
+def _score_one(
+    label: str,
+    path: Path,
+    reference_session: Any,
+    folder: Path,
+    heldout: np.ndarray,
+    info: dict,
+    threads: int,
+    timing: tuple[int, int, int],
+    fp32_times: list[dict],
+) -> dict:
+    """One model against FP32's saved logits, then its latency interleaved with FP32's."""
+    try:
+        session = _session(path, threads)
+        stats = TokenStats()
+        for w, window in enumerate(heldout):
+            logits = window_logits(session, window, info)[:-1]
+            reference_logits = np.load(folder / f"{w}.npy", mmap_mode="r")
+            for part in _chunks(len(logits)):
+                reference = log_softmax(reference_logits[part])
+                stats.add(log_softmax(logits[part]), window[1:][part], reference)
+        row = {"status": "ok", **stats.row()}
+        prompt, decode, rounds = timing
+        pair = latency(
+            {"fp32": reference_session, label: session}, info, heldout[0], prompt, decode, rounds
+        )
+    except Exception as exc:  # noqa: BLE001 - reported in its row
+        return {"status": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    fp32_times.append(pair["fp32"])
+    row["latency"] = pair[label]
+    row["latency_vs_fp32"] = (
+        pair[label]["decode_ms_per_token"] / pair["fp32"]["decode_ms_per_token"]
+    )
+    return row
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -485,6 +536,19 @@ def _evaluate(args: argparse.Namespace) -> None:
         log=lambda line: print(line, flush=True),
     )
     Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def _latency_only(args: argparse.Namespace) -> None:
+    """Child: latency alone for the models of an evaluate spec (FP32 first), e.g. again on a
+    quieter machine than the scoring run had; result to --json ({label: latency dict})."""
+    spec = json.loads(Path(args.spec).read_text())
+    with np.load(spec["heldout"]) as data:
+        window = data["windows"][0]
+    paths = {"fp32": spec["fp32"], **spec["models"]}
+    sessions = {label: _session(Path(path), spec["threads"]) for label, path in paths.items()}
+    timing = latency(sessions, spec["info"], window, spec["prompt"], spec["decode"], args.rounds)
+    timing["load_average"] = os.getloadavg()  # type: ignore[assignment]
+    Path(args.json).write_text(json.dumps(timing, indent=2))
 
 
 # --------------------------------------------------------------------------- one model
@@ -663,23 +727,24 @@ def table(report: dict) -> str:
     """The results as a markdown table, one line per model x row."""
     head = (
         "| model | row | perplexity | top-1 agree | KL | size MB | quantize s (CPU s) | "
-        "peak RSS MB | ms/token (prefill ms) |"
+        "peak RSS MB | decode ms/token (x FP32) | prefill ms |"
     )
-    lines = [head, "|---" * 9 + "|"]
+    lines = [head, "|---" * 10 + "|"]
     for key, entry in report["models"].items():
         for name, row in entry.get("rows", {}).items():
             if "perplexity" not in row:
-                lines.append(
-                    f"| {key} | {row.get('title', name)} | {row.get('status')} | | | | | | |"
-                )
+                status = str(row.get("status"))[:160]
+                lines.append(f"| {key} | {row.get('title', name)} | {status} | | | | | | | |")
                 continue
             quant = f"{row['wall_s']:.1f} ({row['cpu_s']:.1f})" if "wall_s" in row else "-"
             rss = f"{row['peak_rss_mb']:.0f}" if "peak_rss_mb" in row else "-"
             lat = row["latency"]
+            ratio = f" ({row['latency_vs_fp32']:.2f}x)" if "latency_vs_fp32" in row else ""
             lines.append(
                 f"| {key} | {row['title']} | {row['perplexity']:.3f} | "
                 f"{row['top1_agreement']:.2%} | {row['kl']:.4f} | {row['size_bytes'] / 1e6:.1f} | "
-                f"{quant} | {rss} | {lat['decode_ms_per_token']:.1f} ({lat['prefill_ms']:.0f}) |"
+                f"{quant} | {rss} | {lat['decode_ms_per_token']:.1f}{ratio} | "
+                f"{lat['prefill_ms']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -772,6 +837,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--spec", required=True)
         p.add_argument("--json", required=True)
         _evaluate(p.parse_args(argv[1:]))
+        return 0
+    if argv[:1] == ["latency"]:
+        p = argparse.ArgumentParser(prog="python -m benchmarks.llm_peers latency")
+        p.add_argument("--spec", required=True, help="a model's evaluate.json (work folder)")
+        p.add_argument("--json", required=True)
+        p.add_argument("--rounds", type=int, default=3)
+        _latency_only(p.parse_args(argv[1:]))
         return 0
     args = parse_args(argv)
     if "fp32" not in args.rows:

@@ -4,8 +4,17 @@
 Data-free: weights only, NNCF's defaults except the mode and, for the 4-bit modes, the group size
 (32, the block size of the ONNX Runtime rows it is compared with). NNCF's default for 4-bit keeps
 the embedding and the last layer at its backup precision (INT8_ASYM, per channel); `--all-layers`
-changes that. Writes the settings it really used, versions and its own CPU seconds to `--result`
-(the same JSON contract as the other runners, see _handoff.main); peak RSS and wall time are
+changes that.
+
+Tied lm_head: the exports store a tied embedding once, so the lm_head MatMul's weight is
+Transpose(embedding), not an initializer. NNCF 3.4 takes such a MatMul for a weighted one and then
+fails to find its weight ("ValidationError: There is no tensor with the name val_4601"), so every
+MatMul / Gemm whose weight comes through a Transpose of an initializer goes into NNCF's
+ignored_scope (it stays float, as it does in ONNX Runtime's MatMulNBits rows, which skip it for
+the same reason); the settings list those nodes.
+
+Writes the settings it really used, versions and its own CPU seconds to `--result` (the same
+JSON contract as the other runners, see _handoff.main); peak RSS and wall time are
 measured from outside (benchmarks/_measure.run_measured).
 """
 
@@ -26,12 +35,30 @@ import _handoff  # noqa: E402
 MODES = ("int4_sym", "int4_asym", "int8_asym", "int8_sym")
 
 
+def transposed_weight_matmuls(model) -> list[str]:
+    """Names of the MatMul / Gemm nodes whose second input is a Transpose of an initializer."""
+    initializers = {t.name for t in model.graph.initializer}
+    transposes = {
+        n.output[0]
+        for n in model.graph.node
+        if n.op_type == "Transpose" and n.input[0] in initializers
+    }
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in transposes
+    ]
+
+
 def compress(model_path: Path, out: Path, mode: str, group_size: int, all_layers: bool) -> dict:
     import nncf
     import onnx
 
     model = onnx.load(str(model_path))
+    transposed = transposed_weight_matmuls(model)
     options: dict = {"mode": getattr(nncf.CompressWeightsMode, mode.upper())}
+    if transposed:
+        options["ignored_scope"] = nncf.IgnoredScope(names=transposed)
     if mode.startswith("int4"):
         options.update(group_size=group_size, ratio=1.0, all_layers=all_layers)
     compressed = nncf.compress_weights(model, **options)
@@ -39,6 +66,8 @@ def compress(model_path: Path, out: Path, mode: str, group_size: int, all_layers
     settings = {
         "api": "nncf.compress_weights (ONNX backend, data-free)",
         "mode": mode.upper(),
+        "ignored_scope": transposed,
+        "ignored_because": "weight is Transpose(initializer) (tied lm_head); NNCF 3.4 fails on it",
     }
     if mode.startswith("int4"):
         settings.update(
