@@ -731,7 +731,8 @@ def table(report: dict) -> str:
     )
     lines = [head, "|---" * 10 + "|"]
     for key, entry in report["models"].items():
-        for name, row in entry.get("rows", {}).items():
+        rows = sorted(entry.get("rows", {}).items(), key=lambda item: item[0] != "fp32")
+        for name, row in rows:
             if "perplexity" not in row:
                 status = str(row.get("status"))[:160]
                 lines.append(f"| {key} | {row.get('title', name)} | {status} | | | | | | | |")
