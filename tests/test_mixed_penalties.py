@@ -27,6 +27,7 @@ from qtool.config.recipe import load_recipe
 from qtool.errors import DataError
 from qtool.search.flips import FlipModel, poisson_cdf, poisson_median_mean
 from qtool.search.knapsack import Choice, solve
+from qtool.search.penalties import PenaltyScale
 
 K, H, C = 32, 64, 4
 BODY, HEAD = "/body/MatMul", "/head/MatMul"
@@ -197,3 +198,45 @@ def test_flip_model_inverts_its_expected_drop_and_counts_only_what_the_metric_co
     margins = np.sort(flat, axis=1)[:, -1] - np.sort(flat, axis=1)[:, -2]
     empirical = 100.0 * float(np.mean(trials < -margins))
     assert agreement.expected_drop(sigma**2) == pytest.approx(empirical, abs=0.3)
+
+
+class _Measured:
+    """What PenaltyScale.penalty reads of a SensitivityResult: step penalty and margin noise."""
+
+    def __init__(self, table: dict[tuple[str, str], tuple[float, float]]) -> None:
+        self.table = table
+
+    def penalty(self, node, precision):
+        return 0.0 if precision == "float" else self.table[(node, precision)][0]
+
+    def margin_noise(self, node, precision):
+        return 0.0 if precision == "float" else self.table[(node, precision)][1]
+
+
+def test_a_drop_seen_on_the_subset_is_never_discounted_and_nan_never_fits():
+    rng = np.random.default_rng(1)
+    flips = FlipModel.from_outputs([rng.normal(size=(200, 10)) * 3], None)
+    scale = penalty_scale_for(flips, limit=1.0)
+    analysis = _Measured(
+        {
+            ("quiet", "int4"): (0.0, 1e-3),  # changed nothing: its noise counts
+            ("seen", "int4"): (2.0, 1e-3),  # changed 2 points' worth: at least that noise
+            ("broken", "int4"): (math.nan, math.nan),
+        }
+    )
+    assert scale.penalty(analysis, "quiet", "int4") == 1e-3
+    seen = scale.penalty(analysis, "seen", "int4")
+    assert seen == pytest.approx(flips.noise_for(2.0)) and seen > 1e-3
+    assert flips.expected_drop(seen) == pytest.approx(2.0, rel=1e-6)
+    assert scale.penalty(analysis, "broken", "int4") == math.inf
+    assert scale.penalty(analysis, "quiet", "float") == 0.0
+    # The capacity is where the gate passes half the time, and the sum is reported in points.
+    assert scale.pass_probability(scale.capacity) == pytest.approx(0.5, abs=1e-6)
+    assert scale.predicted(seen) == pytest.approx(2.0, rel=1e-6)
+    additive = PenaltyScale("cosine penalty (additive)", 0.01)
+    assert additive.penalty(analysis, "seen", "int4") == 2.0
+    assert additive.predicted(0.004) == 0.004 and additive.pass_probability(0.004) is None
+
+
+def penalty_scale_for(flips: FlipModel, limit: float) -> PenaltyScale:
+    return PenaltyScale("top-1 margin noise", flips.capacity(limit), flips, limit)

@@ -41,10 +41,14 @@ class PenaltyScale:
 
     def penalty(self, analysis: SensitivityResult, node: str, precision: str) -> float | None:
         """The knapsack penalty of `node` at `precision` (0 for float; None when unmeasured).
-        A margin noise that is NaN (a variant whose output held NaN) counts as infinite: that
-        choice cannot fit any budget."""
+        A NaN measurement (a variant whose output held NaN) counts as infinite: that choice
+        cannot fit any budget."""
         step = analysis.penalty(node, precision)
-        if step is None or self.flips is None:
+        if step is None:
+            return None
+        if math.isnan(step):
+            return math.inf
+        if self.flips is None:
             return step
         noise = analysis.margin_noise(node, precision)
         if noise is None:
