@@ -94,12 +94,14 @@ def choose_metric(
 @dataclass(frozen=True)
 class Score:
     """One variant on the analysis subset: the metric's value and penalty, with SQNR and cosine
-    of the gated output for reference."""
+    of the gated output for reference, and for accuracy and agreement the margin noise (the mean
+    squared change of the top-1 margin: continuous where the metric is a step; NaN otherwise)."""
 
     value: float
     penalty: float
     sqnr_db: float
     cosine: float
+    margin_noise: float = math.nan
 
 
 class Scorer:
@@ -150,7 +152,8 @@ class Scorer:
     def score(self, model: bytes) -> Score:
         """Run `model` fused over the analysis batches and compare its gated output."""
         session = create_session(model, threads=self.threads, optimize=True)
-        quality = SignalQuality(cosine="rows", top1=True)
+        classes = self.metric.name in ("accuracy", "agreement")
+        quality = SignalQuality(cosine="rows", top1=True, margin=classes)
         accuracy = LabelAccuracy()
         for ref, batch in zip(self.reference, self.batches, strict=True):
             out = session.run([self.metric.output], batch.inputs)[0]
@@ -172,4 +175,7 @@ class Scorer:
         else:
             value = sqnr_db
         penalty = self.metric.penalty(value, self.float_value)
-        return Score(value, penalty, sqnr_db, cosine)
+        margin_noise = quality.margin_noise() if classes else None
+        if margin_noise is None:
+            margin_noise = math.nan
+        return Score(value, penalty, sqnr_db, cosine, margin_noise)

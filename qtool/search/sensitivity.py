@@ -391,7 +391,12 @@ def analyze(
                 score = scorer.score(model.SerializeToString())
                 seconds = round(time.perf_counter() - start, 4)  # as the cache stores it
                 measured = Measurement(
-                    score.value, score.penalty, score.sqnr_db, score.cosine, seconds
+                    score.value,
+                    score.penalty,
+                    score.sqnr_db,
+                    score.cosine,
+                    seconds,
+                    margin_noise=score.margin_noise,
                 )
             cache.variants[variant.id] = measured
             if on_variant is not None:
