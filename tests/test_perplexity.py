@@ -264,6 +264,10 @@ def test_perplexity_needs_next_token_labels(decoder, cli):
     )
     assert result.exit_code == 2, result.output
     assert "--metric perplexity needs labels, but the evaluation data has none" in result.output
+    files = ("--fp32", out / "model.fp32.onnx", "--quant", out / "model.int8.onnx")
+    rows = cli("evaluate", *files, "--data", decoder / "nolabels.npz", "--rows", "kl,sqnr")
+    assert rows.exit_code == 2, rows.output
+    assert "--rows kl needs labels" in rows.output
 
 
 def test_analyze_and_mixed_precision_score_perplexity(decoder, cli):

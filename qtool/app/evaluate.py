@@ -118,8 +118,10 @@ def run(
     labels_required_by = None
     if chosen_metric in ("accuracy", "perplexity"):
         labels_required_by = metric_source(metric_where, chosen_metric)
-    elif chosen_rows is not None and "accuracy" in chosen_rows:
-        labels_required_by = metric_source(rows_where, "accuracy")
+    elif chosen_rows is not None:
+        wanted = [row for row in ("accuracy", *TOKEN_ROWS) if row in chosen_rows]
+        if wanted:
+            labels_required_by = metric_source(rows_where, wanted[0])
     # Next-token scoring: on text (its labels are the next tokens), or when asked for by name.
     token_labels = text or chosen_metric == "perplexity"
     token_labels |= chosen_rows is not None and bool(set(chosen_rows) & set(TOKEN_ROWS))
