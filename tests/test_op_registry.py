@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from qtool.app.quantize import quantize
 
+from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
 from qtool.model.prepare import tensor_types

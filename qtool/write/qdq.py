@@ -163,21 +163,10 @@ def write_qdq_model(
             )
             fused.name = node.name  # the Plan's name, so the runtime truth finds it
             body.append(fused)
-            continue
-        rewritten = onnx.NodeProto()
-        rewritten.CopyFrom(node)
-        for index, name in enumerate(rewritten.input):
-            if name in rename:
-                rewritten.input[index] = rename[name]
-        if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
-            _set_int_attribute(rewritten, "transB", 0)
-        if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
-            weight = node.input[1]
-            body.extend(_nbits_nodes(rewritten, weight, low_bit[weight], dims, nbits_level))
-        elif node.op_type == "Gemm" and _blocked_weight(node, low_bit):
-            body.extend(_split_gemm_bias(rewritten))
         else:
-            body.append(rewritten)
+            body.extend(_rewritten(node, rename, transposed, nbits, low_bit, dims, nbits_level))
+        # after every written form, the fused Gather's too: an int8 consumer of the gathered
+        # rows reads them through this pair
         for out in node.output:
             body.extend(pairs_after.get(out, []))
 
@@ -206,6 +195,32 @@ def write_qdq_model(
     if check:
         external_data.check_model(quantized_model)  # over 2 GB: checked without serializing it
     return quantized_model
+
+
+def _rewritten(
+    node: onnx.NodeProto,
+    rename: dict[str, str],
+    transposed: set[str],
+    nbits: dict[str, str],
+    low_bit: dict[str, BlockwiseWeight],
+    dims: dict[str, list[int]],
+    nbits_level: int | None,
+) -> list[onnx.NodeProto]:
+    """`node` reading the dequantized tensors, as written: itself, MatMulNBits (plus a bias Add
+    where needed) for a 4-bit weight ORT fuses, or a blocked Gemm split from its bias."""
+    rewritten = onnx.NodeProto()
+    rewritten.CopyFrom(node)
+    for index, name in enumerate(rewritten.input):
+        if name in rename:
+            rewritten.input[index] = rename[name]
+    if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
+        _set_int_attribute(rewritten, "transB", 0)
+    if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
+        weight = node.input[1]
+        return _nbits_nodes(rewritten, weight, low_bit[weight], dims, nbits_level)
+    if node.op_type == "Gemm" and _blocked_weight(node, low_bit):
+        return _split_gemm_bias(rewritten)
+    return [rewritten]
 
 
 def nbits_readers(
