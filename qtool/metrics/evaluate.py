@@ -46,6 +46,7 @@ from qtool.metrics.results import (
 from qtool.metrics.signal import SignalQuality
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
+from qtool.ort.float8 import unfused_only_reason
 from qtool.ort.sessions import create_session
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import low_bit_usage, written_accuracy_levels
@@ -68,22 +69,25 @@ def _progress(enabled: bool, total: int | None) -> Progress:
 
 class _OutputTally:
     """Everything accumulated for one output: each variant vs FP32 (with cosine and top-1), the
-    fused variant vs the unfused one, label accuracy of each variant, and the kind evidence."""
+    fused variant vs the unfused one, label accuracy of each variant, and the kind evidence.
+    `variants`: the variants run (unfused alone for a model with no fused CPU variant)."""
 
-    def __init__(self) -> None:
-        self.quality = {v: SignalQuality(cosine="rows", top1=True) for v in VARIANTS}
+    def __init__(self, variants: Sequence[str] = VARIANTS) -> None:
+        self.variants = tuple(variants)
+        self.quality = {v: SignalQuality(cosine="rows", top1=True) for v in self.variants}
         self.fused_vs_unfused = SignalQuality(top1=True)
-        self.accuracy = {v: LabelAccuracy() for v in VARIANTS}
+        self.accuracy = {v: LabelAccuracy() for v in self.variants}
         self.evidence = KindEvidence()
 
     def update(
         self, ref: np.ndarray, runs: Mapping[str, np.ndarray], labels: np.ndarray | None
     ) -> None:
-        for variant in VARIANTS:
+        for variant in self.variants:
             self.quality[variant].update(ref, runs[variant])
             if labels is not None:
                 self.accuracy[variant].update(runs[variant], labels)
-        self.fused_vs_unfused.update(runs["unfused"], runs["fused"])
+        if "fused" in runs:
+            self.fused_vs_unfused.update(runs["unfused"], runs["fused"])
         self.evidence.update(ref)
 
     def result(
@@ -96,13 +100,13 @@ class _OutputTally:
                 self.quality[v].agreement(),
                 self.accuracy[v].value() if labelled else None,
             )
-            for v in VARIANTS
+            for v in self.variants
         }
         gap = self.fused_vs_unfused
         kind = self.evidence.decide(labelled)
         return OutputResult(
             name,
-            fused=metrics["fused"],
+            fused=metrics.get("fused"),
             unfused=metrics["unfused"],
             fp32_accuracy=fp32_accuracy,
             kind=kind.kind,
@@ -110,7 +114,9 @@ class _OutputTally:
             rows=default_rows(kind, labelled) if rows is None else chosen_rows(rows, labelled),
             fused_vs_unfused=FusedVsUnfused(
                 gap.sqnr_db(), gap.changed() if gap.predictions else None, gap.predictions
-            ),
+            )
+            if "fused" in self.variants
+            else None,
         )
 
 
@@ -149,17 +155,21 @@ def evaluate_models(
     )
     written_levels = dict(written_accuracy_levels(quant_proto))
     sizes = (model_bytes(fp32_path, fp32_proto), model_bytes(quant_path, quant_proto))
+    unfused_only = unfused_only_reason(quant_proto)
     del fp32_proto, quant_proto
     ref_session = create_session(fp32_path, threads=threads)
     config = {} if accuracy_level is None else {ACCURACY_LEVEL_KEY: str(accuracy_level)}
-    low_bit = low_bit_usage(quant_path, config)
-    sessions = {
-        "fused": create_session(quant_path, threads=threads, optimize=True, config=config),
-        "unfused": create_session(quant_path, threads=threads, optimize=False),
-    }
+    low_bit = low_bit_usage(quant_path, config) if unfused_only is None else None
+    sessions = {"unfused": create_session(quant_path, threads=threads, optimize=False)}
+    if unfused_only is None:
+        sessions["fused"] = create_session(
+            quant_path, threads=threads, optimize=True, config=config
+        )
+    judged = "fused" if unfused_only is None else "unfused"
+    variants = tuple(v for v in VARIANTS if v in sessions)
     ref_specs = input_specs(ref_session, fp32_path)
-    q_specs = input_specs(sessions["fused"], quant_path)
-    names = output_names(ref_session, sessions["fused"], fp32_path, quant_path)
+    q_specs = input_specs(sessions[judged], quant_path)
+    names = output_names(ref_session, sessions[judged], fp32_path, quant_path)
     if output is None:
         output = names[0]
     elif output not in names:
@@ -168,7 +178,7 @@ def evaluate_models(
             f"(outputs: {', '.join(names)})"
         )
 
-    tallies = {name: _OutputTally() for name in names}
+    tallies = {name: _OutputTally(variants) for name in names}
     fp32_accuracy = LabelAccuracy()
     has_labels: bool | None = None
     first_inputs: Mapping[str, np.ndarray] | None = None
@@ -211,7 +221,7 @@ def evaluate_models(
                         )
                 tallies[name].update(
                     ref[name],
-                    {v: runs[v][name] for v in VARIANTS},
+                    {v: runs[v][name] for v in variants},
                     labels if name == output else None,
                 )
             if first_inputs is None:
@@ -234,13 +244,13 @@ def evaluate_models(
 
     feed, latency_batch = latency_feed(first_inputs, [spec.shape for spec in ref_specs])
     (ref_med, ref_p90), (q_med, q_p90) = measure_latency(
-        [ref_session, sessions["fused"]], feed, latency_runs
+        [ref_session, sessions[judged]], feed, latency_runs
     )
     gated = next(o for o in outputs if o.name == output)
     return EvalResult(
         fp32=ModelMetrics(gated.fp32_accuracy, ref_med, ref_p90, sizes[0]),
-        quant=ModelMetrics(gated.fused.accuracy, q_med, q_p90, sizes[1]),
-        samples=tallies[names[0]].quality["fused"].rows,
+        quant=ModelMetrics(gated.judged.accuracy, q_med, q_p90, sizes[1]),
+        samples=tallies[names[0]].quality[judged].rows,
         outputs=outputs,
         output=output,
         latency_batch=latency_batch,
@@ -253,4 +263,5 @@ def evaluate_models(
         low_bit=low_bit,
         accuracy_level=accuracy_level,
         written_levels=written_levels,
+        unfused_only=unfused_only,
     )

@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError, RecipeError
 from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.signal import SignalQuality, noise_ratio_from_db
 from qtool.metrics.spec import EvaluationSpec
+from qtool.ort.float8 import unfused_only_reason
 from qtool.ort.sessions import create_session
 
 METRICS = ("accuracy", "agreement", "cosine", "sqnr")
@@ -148,8 +150,10 @@ class Scorer:
             ]
 
     def score(self, model: bytes) -> Score:
-        """Run `model` fused over the analysis batches and compare its gated output."""
-        session = create_session(model, threads=self.threads, optimize=True)
+        """Run `model` fused over the analysis batches and compare its gated output (unfused
+        for a float8 model, which ORT's CPU provider runs no other way: ort/float8.py)."""
+        fused = unfused_only_reason(onnx.load_model_from_string(model)) is None
+        session = create_session(model, threads=self.threads, optimize=fused)
         quality = SignalQuality(cosine="rows", top1=True)
         accuracy = LabelAccuracy()
         for ref, batch in zip(self.reference, self.batches, strict=True):
