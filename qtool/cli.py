@@ -278,19 +278,21 @@ def quantize(
     with _phase_display(progress):
         result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
+    ops = ", ".join(f"{k} {v}" for k, v in summary["quantized_by_op_type"].items())
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "
-        f"({', '.join(f'{k} {v}' for k, v in summary['quantized_by_op_type'].items())}; "
-        f"method {loaded.calibration.method}, target {loaded.quantization.target})",
+        f"({ops + '; ' if ops else ''}method {loaded.calibration.method}, target "
+        f"{loaded.quantization.target})",
         highlight=False,
     )
     for line in _runtime_lines(result.report):
         console.print(line, highlight=False, markup=False)
-    console.print(
-        f"weights for {result.report['cpu']['description']}: "
-        + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
-        highlight=False,
-    )
+    if summary["weight_formats"]:
+        console.print(
+            f"weights for {result.report['cpu']['description']}: "
+            + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
+            highlight=False,
+        )
     ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "
     for group, entry in result.report["low_bit"].items():
         console.print(

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -48,6 +49,7 @@ from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.float8 import unfused_only_reason
 from qtool.ort.sessions import create_session
+from qtool.runtime.bf16_emulation import EMULATED, emulated, has_bf16
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import low_bit_usage, written_accuracy_levels
 
@@ -156,15 +158,27 @@ def evaluate_models(
     written_levels = dict(written_accuracy_levels(quant_proto))
     sizes = (model_bytes(fp32_path, fp32_proto), model_bytes(quant_path, quant_proto))
     unfused_only = unfused_only_reason(quant_proto)
+    # ORT's CPU provider has no BF16 kernels: a BF16 file runs as its FP32 emulation.
+    emulation = EMULATED if has_bf16(quant_proto) else None
     del fp32_proto, quant_proto
+    runs: Path | bytes = quant_path
+    if emulation is not None:
+        runs = emulated(onnx.load(str(quant_path))).SerializeToString()
     ref_session = create_session(fp32_path, threads=threads)
     config = {} if accuracy_level is None else {ACCURACY_LEVEL_KEY: str(accuracy_level)}
-    low_bit = low_bit_usage(quant_path, config) if unfused_only is None else None
-    sessions = {"unfused": create_session(quant_path, threads=threads, optimize=False)}
+    plain = unfused_only is None and emulation is None
+    low_bit = low_bit_usage(quant_path, config) if plain else None
+    sessions = {"unfused": create_session(runs, threads=threads, optimize=False)}
     if unfused_only is None:
-        sessions["fused"] = create_session(
-            quant_path, threads=threads, optimize=True, config=config
-        )
+        try:
+            sessions["fused"] = create_session(runs, threads=threads, optimize=True, config=config)
+        except ModelError as exc:  # loads unfused (above), not with ORT's optimizations
+            unfused_only = (
+                f"ONNX Runtime's CPU graph optimizations cannot load this file ({exc}); it runs "
+                "unfused only (`qtool quantize` refuses such a file for ort-cpu, so it was "
+                "written for another target)"
+            )
+            low_bit = None
     judged = "fused" if unfused_only is None else "unfused"
     variants = tuple(v for v in VARIANTS if v in sessions)
     ref_specs = input_specs(ref_session, fp32_path)
@@ -264,4 +278,5 @@ def evaluate_models(
         accuracy_level=accuracy_level,
         written_levels=written_levels,
         unfused_only=unfused_only,
+        emulated=emulation,
     )

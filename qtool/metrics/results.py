@@ -164,6 +164,8 @@ class EvalResult:
     # Why the quantized model has no fused variant on this CPU (float8 Q/DQ), or None; then the
     # gates, the change column and the latency are the unfused run's.
     unfused_only: str | None = None
+    # How a file the CPU cannot run was measured instead (BF16: an FP32 emulation), or None.
+    emulated: str | None = None
 
     @property
     def judged_variant(self) -> str:
@@ -269,6 +271,7 @@ class EvalResult:
                 "why_not": self.unfused_only,
                 "judged": self.judged_variant,
             },
+            "emulated": self.emulated,
             "latency": {
                 "compared": "fp32 vs quantized fused (ORT_ENABLE_ALL)"
                 if self.unfused_only is None

@@ -157,10 +157,13 @@ def render_table(result: EvalResult) -> Table:
 
 
 def unfused_only_notes(result: EvalResult) -> list[str]:
-    """Why there is no fused column, under the table."""
-    if result.unfused_only is None:
-        return []
-    return [f"no fused variant: {result.unfused_only}"]
+    """Why there is no fused column, and how a file the CPU cannot run was measured."""
+    notes = []
+    if result.unfused_only is not None:
+        notes.append(f"no fused variant: {result.unfused_only}")
+    if result.emulated is not None:
+        notes.append(f"emulated: {result.emulated}")
+    return notes
 
 
 def kind_notes(result: EvalResult) -> list[str]:

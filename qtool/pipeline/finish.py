@@ -44,14 +44,16 @@ RUNS_ON = {
 }
 
 
-def explained_fp32(plan: Plan) -> dict[str, str]:
-    """Nodes that compute in FP32 in a model with a low float type, and why (the typing pass's
-    records): what the TensorRT placement check accepts as a stated reason."""
+def explained_fp32(plan: Plan, float_type: dict | None) -> dict[str, str]:
+    """Nodes that compute in FP32 in a model with a low float type, and the Casts the typing
+    pass wrote, each with why: what the TensorRT placement check accepts as a stated reason."""
     explained = {}
     for node in plan:
         record = node.float_type or {}
         if record.get("computes_in") == "fp32":
             explained[node.name] = record.get("reason") or "precision float (FP32) asked"
+    for cast in (float_type or {}).get("casts", []):
+        explained[cast["node"]] = cast["why"]
     return explained
 
 
@@ -137,7 +139,9 @@ def verify_and_report(
     placement = None
     if target == "tensorrt":
         placement = check_placement(
-            quantized, explained_fp32(built.layout.plan), header.quantization.float_type
+            quantized,
+            explained_fp32(built.layout.plan, built.float_type),
+            header.quantization.float_type,
         )
     engine_source = quantized.SerializeToString() if target == "tensorrt" else None
     # A BF16 file does not load on ORT's CPU provider: its FP32 emulation is what ORT checks.
@@ -219,7 +223,18 @@ def _verify(
             return verify_unfused_only(
                 source, built.layout.plan, feeds, VERIFY_THREADS, unfused_only
             )
-        loaded = optimized_session(source, VERIFY_THREADS)
+        try:
+            loaded = optimized_session(source, VERIFY_THREADS)
+        except QtoolError as exc:
+            if header.quantization.target == "ort-cpu":
+                raise
+            # ORT's CPU optimizer is not the target's runtime: a file it cannot load fused is
+            # checked unfused, and the report and a warning say so.
+            why = f"ONNX Runtime's CPU graph optimizations cannot load this file ({exc}); "
+            why += "qtool runs it unfused (the QDQ semantics)"
+            checked = verify_unfused_only(source, built.layout.plan, feeds, VERIFY_THREADS, why)
+            checked.warnings.append(f"ONNX Runtime CPU check (not the target): {why}")
+            return checked
     except QtoolError as exc:
         message = str(exc)
         if isinstance(source, Path):  # name the output, not its temporary file

@@ -197,8 +197,10 @@ class QuantizationSpec:
             return "int4"
         if self.uses_fp8:
             return "fp8"
-        if not self.op_types and not self.precisions_asked() & {"int8", "int4", "fp8"}:
-            return self.float_type
+        asked = self.precisions_asked()
+        if not self.op_types and not asked & {"int8", "int4", "fp8"}:
+            low = [p for p in ("fp16", "bf16") if p in asked | {self.float_type}]
+            return low[0] if low else "typed"
         return "int8"
 
     @property

@@ -359,15 +359,13 @@ def _cast_allowed(cast: onnx.NodeProto, g: _Graph) -> bool:
     source, out = cast.input[0], cast.output[0]
     if source in g.graph_inputs or out in g.graph_outputs or source in g.initializers:
         return True
+    if cast.name in g.explained or g.types.get(source) not in _FLOATS:
+        return True  # a Cast the report explains, or a model's own (int -> float)
     neighbours = [g.producer.get(source), *g.consumers.get(out, [])]
-    for node in neighbours:
-        if node is None:
-            continue
-        if node.name in g.explained or node.op_type in _QDQ:
-            return True
-        if node.op_type == "Cast" or g.types.get(source) not in _FLOATS:
-            return True  # a model's own Cast (int -> float), or a cast of a non-float tensor
-    return False
+    return any(
+        node is not None and (node.name in g.explained or node.op_type in _QDQ)
+        for node in neighbours
+    )
 
 
 @dataclass(frozen=True)
@@ -412,8 +410,8 @@ TRT_RULES: tuple[TrtRule, ...] = (
 
 def check_placement(model: onnx.ModelProto, explained: Mapping[str, str], float_type: str) -> dict:
     """The report's `tensorrt.placement` block: per rule what was checked and what broke it.
-    `explained`: node -> why it computes in FP32 (the typing pass's records and the plan's
-    float nodes); `float_type`: the model's (fp32, fp16, bf16)."""
+    `explained`: node -> why it computes in FP32, or why a Cast stands where it does (the typing
+    pass's records); `float_type`: the model's (fp32, fp16, bf16)."""
     graph = _Graph(model, explained, float_type)
     rules = []
     findings: list[Finding] = []

@@ -355,7 +355,9 @@ def search(
     with phase("pricing each node's precisions"):
         problem = _problem(job, prepared, analysis, assembler, candidates, explicit, notes, timed)
     start, action = _start(problem, budget, notes)
-    scorer = Scorer(float_model.serialized, batches, job.evaluation, budget.metric)
+    scorer = Scorer(
+        float_model.serialized, batches, job.evaluation, budget.metric, fused=target == "ort-cpu"
+    )
     console.print(
         f"mixed precision: minimise {spec.objective} within {budget.describe()}; float "
         f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples",

@@ -1,11 +1,13 @@
 """Score a model variant on the analysis subset with the metric `qtool evaluate` gates on.
 
 The float model runs once and its gated output is kept; every variant then runs fused (as ONNX
-Runtime deploys it, the model the gates judge) on the same batches and is compared with the
-accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would report on
-these samples. Each metric also has a *penalty* that is 0 for the float model and grows as the
-variant gets worse, in units where penalties of separate nodes roughly add up (points of
-accuracy or agreement, 1 - cosine, noise-to-signal power): the mixed-precision search sums them.
+Runtime deploys it, the model the gates judge; for a target other than ort-cpu, and for float8,
+unfused: the QDQ semantics the target's own kernels compute) on the same batches and is compared
+with the accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would
+report on these samples. Each metric also has a *penalty* that is 0 for the float model and
+grows as the variant gets worse, in units where penalties of separate nodes roughly add up
+(points of accuracy or agreement, 1 - cosine, noise-to-signal power): the mixed-precision search
+sums them.
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ class Scorer:
         evaluation: EvaluationSpec,
         requested_metric: str | None = None,
         threads: int | None = None,
+        fused: bool = True,
     ) -> None:
         if not batches:
             raise DataError(f"{evaluation.data.where}: the analysis subset is empty")
         self.batches = list(batches)
         self.threads = threads
+        # ort-cpu: what deploys is ORT's fused model. Another target (TensorRT) runs its own
+        # kernels: the search scores the QDQ semantics (unfused), not ORT's CPU fusion.
+        self.fused = fused
         session = create_session(float_model, threads=threads, optimize=True)
         names = [o.name for o in session.get_outputs()]
         output = evaluation.output or names[0]
@@ -152,7 +158,7 @@ class Scorer:
     def score(self, model: bytes) -> Score:
         """Run `model` fused over the analysis batches and compare its gated output (unfused
         for a float8 model, which ORT's CPU provider runs no other way: ort/float8.py)."""
-        fused = unfused_only_reason(onnx.load_model_from_string(model)) is None
+        fused = self.fused and unfused_only_reason(onnx.load_model_from_string(model)) is None
         session = create_session(model, threads=self.threads, optimize=fused)
         quality = SignalQuality(cosine="rows", top1=True)
         accuracy = LabelAccuracy()

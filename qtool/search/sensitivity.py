@@ -365,7 +365,14 @@ def analyze(
     layer_needed = "layer" in modes and cache.layer is None
     scorer: Scorer | None = None
     if todo or layer_needed or not cache.header:
-        scorer = Scorer(prepared.model.serialized, batches, job.evaluation, metric, threads)
+        scorer = Scorer(
+            prepared.model.serialized,
+            batches,
+            job.evaluation,
+            metric,
+            threads,
+            fused=job.build.quantization.target == "ort-cpu",
+        )
         cache.header = {
             "metric": dataclasses.asdict(scorer.metric),
             "float_value": json_number(scorer.float_value),

@@ -374,13 +374,10 @@ def _rewrite(
         key = (tensor, elem)
         if key not in casts:
             name = f"{tensor}_as_{NAMES[elem]}"
-            body.append(
-                helper.make_node(
-                    "Cast", [tensor], [name], name=f"{tensor}_Cast_{NAMES[elem]}", to=elem
-                )
-            )
+            node = f"{tensor}_Cast_{NAMES[elem]}"
+            body.append(helper.make_node("Cast", [tensor], [name], name=node, to=elem))
             casts[key] = name
-            typing.casts.append({"tensor": tensor, "to": NAMES[elem], "why": why})
+            typing.casts.append({"node": node, "tensor": tensor, "to": NAMES[elem], "why": why})
         return casts[key]
 
     producers = {out: node for node in nodes for out in node.output if out}
@@ -438,6 +435,7 @@ def _rewrite(
             new_type[original] = FLOAT
             typing.casts.append(
                 {
+                    "node": f"{original}_Cast_output",
                     "tensor": original,
                     "to": "fp32",
                     "why": "graph output keeps its type (float_io: keep)",
