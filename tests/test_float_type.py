@@ -230,7 +230,14 @@ def test_keep_rules_keep_nodes_in_fp32_with_their_reasons(tmp_path, cli) -> None
 
 def test_the_keep_rules_are_a_table_with_reasons() -> None:
     names = [rule.name for rule in KEEP_RULES]
-    assert names == ["no-low-type", "reduction", "overflow", "constant-overflow", "underflow"]
+    assert names == [
+        "no-low-type",
+        "reduction",
+        "normalization",
+        "overflow",
+        "constant-overflow",
+        "underflow",
+    ]
     assert all(rule.why and rule.applies_to for rule in KEEP_RULES)
 
 

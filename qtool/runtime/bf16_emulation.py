@@ -39,35 +39,36 @@ def _attr(node: onnx.NodeProto, name: str) -> int | None:
     return next((a.i for a in node.attribute if a.name == name), None)
 
 
-def _bf16_outputs(model: onnx.ModelProto) -> set[str]:
-    """Every tensor the model computes in BF16 (ONNX type inference)."""
+def _low_outputs(model: onnx.ModelProto, low: int) -> set[str]:
+    """Every tensor the model computes in `low` (ONNX type inference)."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     infos = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
-    return {i.name for i in infos if i.type.tensor_type.elem_type == BF16}
+    return {i.name for i in infos if i.type.tensor_type.elem_type == low}
 
 
-def _widened(info: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+def _widened(info: onnx.ValueInfoProto, low: int) -> onnx.ValueInfoProto:
     copy = onnx.ValueInfoProto()
     copy.CopyFrom(info)
-    if copy.type.tensor_type.elem_type == BF16:
+    if copy.type.tensor_type.elem_type == low:
         copy.type.tensor_type.elem_type = FLOAT
     return copy
 
 
-def emulated(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The FP32 copy of a BF16-typed `model` (see the module docstring)."""
-    bf16 = _bf16_outputs(model)
+def emulated(model: onnx.ModelProto, low: int = BF16) -> onnx.ModelProto:
+    """The FP32 copy of a `low`-typed `model` (BF16; see the module docstring). With FLOAT16 it
+    is FP16's storage-rounding limit with FP32 arithmetic (benchmarks/float_types.py)."""
+    rounded_tensors = _low_outputs(model, low)
     graph = model.graph
     body: list[onnx.NodeProto] = []
     for node in graph.node:
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         for attr in copy.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == BF16:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == low:
                 attr.t.CopyFrom(numpy_helper.from_array(_to_float(attr.t), attr.t.name))
-        rounded = [out for out in copy.output if out in bf16]
-        if copy.op_type == "Cast" and _attr(copy, "to") == BF16:
-            rounded = []  # the Cast rounds to BF16 itself; widen its output after it
+        rounded = [out for out in copy.output if out in rounded_tensors]
+        if copy.op_type == "Cast" and _attr(copy, "to") == low:
+            # the Cast rounds to the low type itself; widen its output after it
             out = copy.output[0]
             copy.output[0] = f"{out}_bf16"
             body.append(copy)
@@ -78,19 +79,19 @@ def emulated(model: onnx.ModelProto) -> onnx.ModelProto:
                 copy.output[index] = f"{out}_wide"
         body.append(copy)
         for out in rounded:
-            body.append(helper.make_node("Cast", [f"{out}_wide"], [f"{out}_bf16"], to=BF16))
+            body.append(helper.make_node("Cast", [f"{out}_wide"], [f"{out}_bf16"], to=low))
             body.append(helper.make_node("Cast", [f"{out}_bf16"], [out], to=FLOAT))
     initializers = []
     for init in graph.initializer:
-        if init.data_type == BF16:
+        if init.data_type == low:
             initializers.append(numpy_helper.from_array(_to_float(init), init.name))
         else:
             initializers.append(init)
     copy_graph = helper.make_graph(
         body,
         graph.name,
-        [_widened(i) for i in graph.input],
-        [_widened(o) for o in graph.output],
+        [_widened(i, low) for i in graph.input],
+        [_widened(o, low) for o in graph.output],
         initializer=initializers,
     )
     wide = helper.make_model(copy_graph, opset_imports=list(model.opset_import))

@@ -309,7 +309,9 @@ def _pairs(g: _Graph) -> tuple[int, list[Finding]]:
 
 
 def _computes_in(node: onnx.NodeProto, g: _Graph) -> int | None:
-    for name in [*node.output, *node.input]:
+    """The float type a node writes (None: no float output; a Shape of an FP32 graph input
+    computes nothing in FP32)."""
+    for name in node.output:
         elem = g.types.get(name)
         if elem in _FLOATS:
             return elem
