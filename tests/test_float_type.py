@@ -346,3 +346,20 @@ def test_presets_load_by_name(tmp_path, preset, precision, float_type, target) -
     loaded = load_recipe(path).quantization
     assert (loaded.precision, loaded.float_type, loaded.target) == (precision, float_type, target)
     assert loaded.may_need_opset21  # FP8 Q/DQ and typed Q/DQ both need opset >= 19
+
+
+def test_float_io_float_type_declares_the_graph_io_in_fp16(digits_dir, cli) -> None:
+    """Asked for (`float_io: float_type`), the graph inputs and outputs take the float type: no
+    Cast at all, and ORT and `evaluate` feed the model FP16 as it declares."""
+    recipe = digits_dir / "recipe-fp16-io.yaml"
+    recipe.write_text("base: recipe-fp16.yaml\nquantization: {float_io: float_type}\n")
+    out = digits_dir / "out-fp16-io"
+    result = cli("quantize", recipe, "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    model = onnx.load(str(out / "model.fp16.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert not [n for n in model.graph.node if n.op_type == "Cast"]
+    evaluated = cli("evaluate", recipe, "-o", out, "--no-progress", "--min-sqnr", "60")
+    assert evaluated.exit_code == 0, evaluated.output

@@ -48,7 +48,7 @@ from qtool.metrics.signal import SignalQuality
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.float8 import unfused_only_reason
-from qtool.ort.sessions import create_session
+from qtool.ort.sessions import as_declared, create_session
 from qtool.runtime.bf16_emulation import EMULATED, emulated, has_bf16
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import low_bit_usage, written_accuracy_levels
@@ -201,7 +201,9 @@ def evaluate_models(
         task = bar.add_task("batches", total=total)
         for index, (inputs, labels) in enumerate(batches, start=1):
             validate_inputs(inputs, ref_specs, fp32_path, index)
-            validate_inputs(inputs, q_specs, quant_path, index)
+            # a model written with float_io: float_type declares FP16 inputs: fed so
+            q_feed = as_declared(inputs, sessions[judged])
+            validate_inputs(q_feed, q_specs, quant_path, index)
             if has_labels is None:
                 has_labels = labels is not None
                 if not has_labels and labels_required_by is not None:
@@ -216,7 +218,7 @@ def evaluate_models(
             feed = dict(inputs)
             ref = dict(zip(names, ref_session.run(names, feed), strict=True))
             runs = {
-                v: dict(zip(names, s.run(names, feed), strict=True)) for v, s in sessions.items()
+                v: dict(zip(names, s.run(names, q_feed), strict=True)) for v, s in sessions.items()
             }
             if labels is not None:
                 if ref[output].ndim < 2:

@@ -19,7 +19,7 @@ import numpy as np
 from qtool.errors import DataError
 from qtool.metrics.signal import json_float
 from qtool.ort.cpu import CpuFeatures, detect_cpu
-from qtool.ort.sessions import create_session, ort_reason
+from qtool.ort.sessions import as_declared, create_session, ort_reason
 from qtool.plan.ops import precision_key
 from qtool.plan.ops import rule as op_rule
 from qtool.plan.plan import NodePlan, Plan
@@ -105,7 +105,7 @@ def verify_unfused_only(
     names = [o.name for o in session.get_outputs()]
     for index, feed in enumerate(feeds):
         try:
-            session.run(names, feed)
+            session.run(names, as_declared(feed, session))
         except Exception as exc:  # ORT raises private types for bad feeds
             reason_text = ort_reason(exc)
             raise DataError(f"batch {index} cannot run the quantized model: {reason_text}") from exc

@@ -25,7 +25,7 @@ from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.signal import SignalQuality, noise_ratio_from_db
 from qtool.metrics.spec import EvaluationSpec
 from qtool.ort.float8 import unfused_only_reason
-from qtool.ort.sessions import create_session
+from qtool.ort.sessions import as_declared, create_session
 
 METRICS = ("accuracy", "agreement", "cosine", "sqnr")
 _UNITS = {
@@ -163,7 +163,7 @@ class Scorer:
         quality = SignalQuality(cosine="rows", top1=True)
         accuracy = LabelAccuracy()
         for ref, batch in zip(self.reference, self.batches, strict=True):
-            out = session.run([self.metric.output], batch.inputs)[0]
+            out = session.run([self.metric.output], as_declared(batch.inputs, session))[0]
             if out.shape != ref.shape:
                 raise ModelError(
                     f"output {self.metric.output!r} has shape {out.shape} in a variant but "
