@@ -9,8 +9,13 @@ verified is the one written, strongly typed and within the budget.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import onnx
+import yaml
+
+from qtool.app.common import prepare
+from qtool.config.recipe import load_recipe
 
 
 def test_auto_on_tensorrt_offers_fp8_int8_and_fp16(digits_dir, cli) -> None:
@@ -40,3 +45,16 @@ def test_auto_on_tensorrt_offers_fp8_int8_and_fp16(digits_dir, cli) -> None:
     onnx.checker.check_model(model, full_check=True)
     assert report["tensorrt"]["placement"]["passed"], report["tensorrt"]["placement"]
     assert mixed["measured"]["sqnr_db"] >= 30.0
+    # plan.yaml pins the chosen precisions as overrides a recipe reads back to the same plan
+    overrides = yaml.safe_load(Path(mixed["files"]["plan"]).read_text())["quantization"]
+    pinned = digits_dir / "recipe-pinned-trt.yaml"
+    pinned.write_text(
+        "base: recipe.yaml\n"
+        "model: {opset: 21}\n"
+        + yaml.safe_dump(
+            {"quantization": {"target": "tensorrt", "float_type": "fp16", **overrides}}
+        )
+    )
+    layout = prepare(load_recipe(pinned)).layout
+    planned = {n.name: n.precision for n in layout.plan if n.name in chosen}
+    assert planned == chosen
