@@ -275,9 +275,10 @@ def test_candidates_follow_the_target_and_the_opset(folder):
     raw["quantization"]["target"] = "tensorrt"
     trt.write_text(yaml.safe_dump(raw))
     trt_recipe = load_recipe(trt)
+    # TensorRT 11's strongly typed precisions (issue 20): fp8 (opset >= 19), int8, fp16, float
     assert model_candidates(
         trt_recipe.mixed_precision, trt_recipe.quantization.target, 21, str(trt), []
-    ) == ("int8", "float")
+    ) == ("fp8", "int8", "fp16", "float")
     prepared = prepare(recipe)
     assert [n.name for n in prepared.layout.plan.quantized()] == list(NODES)
 

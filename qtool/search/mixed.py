@@ -38,6 +38,7 @@ from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats, stats_data_sha256
 from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
+from qtool.ort.float8 import unfused_only_reason
 from qtool.ort.sessions import create_session
 from qtool.phases import phase
 from qtool.pipeline.build import Built, build_quantized
@@ -213,7 +214,7 @@ def _problem(
             if analysis.penalty(unit.name, p) is not None
         ]
     layouts: dict[str, Layout] = {}
-    for precision in ("int8", "int4"):
+    for precision in [p for p in ORDER if p != "float" and p in candidates]:
         chosen = [name for name in names if precision in allowed[name]]
         if not chosen:
             continue
@@ -258,7 +259,7 @@ def _problem(
     options: dict[str, list[Choice]] = {}
     for name in names:
         prices = sizes_model.prices[name]
-        usable = [p for p in ("float", "int8", "int4") if p in allowed[name] and p in prices]
+        usable = [p for p in reversed(ORDER) if p in allowed[name] and p in prices]
         if not usable:
             raise RecipeError(
                 f"{job.where}: mixed_precision: node {name!r} has no usable candidate among "
@@ -323,7 +324,14 @@ def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dic
     """Median latency of the float, the all-int8 and the chosen model, measured here with one
     intra-op thread (stable on a shared machine), sessions alternated run by run."""
     labels = list(models)
-    sessions = [create_session(models[k], threads=1) for k in labels]
+    sessions = [
+        create_session(
+            models[k],
+            threads=1,
+            optimize=unfused_only_reason(onnx.load_model_from_string(models[k])) is None,
+        )
+        for k in labels
+    ]
     timings = dict(zip(labels, measure_latency(sessions, dict(feed), LATENCY_RUNS), strict=True))
     float_ms, model_ms = timings["float"][0], timings["chosen"][0]
     block = {
@@ -417,7 +425,9 @@ def search(
     assembler = Assembler(job.build, float_model.model, statistics.by_name(), statistics.hessians)
     feed = _feed(float_model.serialized, batches)
     timed = feed if spec.objective == "latency" else None
-    scorer = Scorer(float_model.serialized, batches, job.evaluation, budget.metric)
+    scorer = Scorer(
+        float_model.serialized, batches, job.evaluation, budget.metric, fused=target == "ort-cpu"
+    )
     labels = [b.labels for b in scorer.batches] if scorer.labelled else None
     scale = penalty_scale(budget, scorer.reference, labels)
     stamp = _stamp_bytes(float_model, job, statistics)
@@ -527,7 +537,7 @@ def search(
     out = job.outputs.folder
     if result.passed:
         plan_path = out / "plan.yaml"
-        model_path = job.outputs.quantized_model(quantization.uses_int4)
+        model_path = job.outputs.quantized_model(quantization.model_tag)
         heading = "the plan `qtool quantize --auto` chose"
     else:
         plan_path, model_path = out / "plan.failed.yaml", out / "model.failed.onnx"

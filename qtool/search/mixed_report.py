@@ -205,11 +205,12 @@ def summary_table(block: dict) -> Table:
         "chosen": latency.get("model_ms_median"),
     }
     float_size = block["references"]["float"]["size_bytes"]
-    for precision in ("float", "int8", "int4"):
+    for precision in ("float", "fp16", "bf16", "int8", "fp8", "int4"):
         reference = block["references"].get(precision)
         if reference is None:
             continue
-        label = {"float": "float", "int8": "all int8", "int4": "int4 (else int8)"}[precision]
+        label = "float" if precision == "float" else f"all {precision}"
+        label = "int4 (else int8)" if precision == "int4" else label
         row = [
             label,
             "",

@@ -5,10 +5,11 @@ The knapsack adds one-at-a-time penalties; real errors are not always additive (
 rounding the same way add their errors coherently, a subset of the evaluation data can miss
 what the whole set shows), so every plan is built and scored exactly as `qtool evaluate` gates
 it (fused, the gated output, the full evaluation set). When a plan misses, the most sensitive
-node that can still move is promoted one step (int4 -> int8 -> float) and the plan is scored
-again, at most `max_iterations` plans in all. A promotion only adds bytes, so once a plan that
-misses is no smaller than a uniform reference that passes (`ceiling`), promoting further cannot
-beat that reference and the loop stops (reference.py then takes the reference).
+node that can still move is promoted one step among its candidates (int4 -> fp8 -> int8 -> bf16
+-> fp16 -> float) and the plan is scored again, at most `max_iterations` plans in all. A promotion
+only adds bytes, so once a plan that misses is no smaller than a uniform reference that passes
+(`ceiling`), promoting further cannot beat that reference and the loop stops (reference.py then
+takes the reference).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from qtool.metrics.signal import noise_ratio_from_db
 from qtool.search.budget import Budget
-from qtool.search.candidates import step_up
+from qtool.search.candidates import ORDER, step_up
 from qtool.search.knapsack import Choice
 from qtool.search.penalties import PenaltyScale
 from qtool.search.result import SensitivityResult
@@ -53,7 +54,7 @@ class Iteration:
 
     def counts(self) -> dict[str, int]:
         counted = Counter(self.precisions.values())
-        return {p: counted[p] for p in ("int4", "int8", "float") if counted[p]}
+        return {p: counted[p] for p in ORDER if counted[p]}
 
 
 @dataclass

@@ -17,7 +17,7 @@ from qtool.search.scoring import Metric
 
 MODES = ("one-at-a-time", "all-but-one", "layer")
 MODE_CHOICES = (*MODES, "all")
-CANDIDATES = ("int8", "int4")
+CANDIDATES = ("int8", "int4", "fp8", "fp16", "bf16")
 # What each part of SensitivityResult.sensitivity is, for tables and plots.
 SENSITIVITY_PARTS = (
     "one-at-a-time penalty",
