@@ -6,8 +6,8 @@ scripts can tell bad input (2) from a failed accuracy gate (1) and from success 
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import importlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from qtool import __version__
 from qtool.errors import QtoolError
+from qtool.progress import showing
 
 
 def _hide_flag_types(command, ctx) -> None:
@@ -29,16 +30,71 @@ def _hide_flag_types(command, ctx) -> None:
             param.metavar = ""
 
 
-class _Group(TyperGroup):
+# The click Typer parses with: Typer >= 0.2x vendors its own copy (typer._click), older Typer uses
+# click itself. Its exception module is where Typer's public BadParameter lives.
+_click_errors = importlib.import_module(typer.BadParameter.__module__)
+# Raised (click >= 8.2) by `qtool` and `qtool stats` without a command, after their help printed.
+_NO_ARGS_IS_HELP = getattr(_click_errors, "NoArgsIsHelpError", ())
+
+
+def usage_error_line(exc: Exception) -> str:
+    """Click's message for a bad option or argument, as the one line every other error is.
+
+    Click names the option or argument itself ("Invalid value for '--samples': ...", "Missing
+    argument 'files'."); the command's help is named after it instead of a usage box."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    return message if ctx is None else f"{message} (see '{ctx.command_path} --help')"
+
+
+class _Help:
+    """What qtool's commands and groups share: flags without a type column in --help, and
+    parse errors that carry their command's context."""
+
     def format_help(self, ctx, formatter) -> None:
         _hide_flag_types(self, ctx)
         super().format_help(ctx, formatter)
 
+    def parse_args(self, ctx, args):
+        """An error the option parser raises without a context ("Option '--shard' requires an
+        argument") gets this command's, so its one line can name the command's --help."""
+        try:
+            return super().parse_args(ctx, args)
+        except _click_errors.UsageError as exc:
+            if exc.ctx is None:
+                exc.ctx = ctx
+            raise
 
-class _Command(TyperCommand):
-    def format_help(self, ctx, formatter) -> None:
-        _hide_flag_types(self, ctx)
-        super().format_help(ctx, formatter)
+
+class _Group(_Help, TyperGroup):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Typer's main, except that a bad option or argument of any command (click's UsageError,
+        BadParameter, MissingParameter, raised while parsing) is printed as a one-line `error:`
+        and exits 2, like a QtoolError, instead of Typer's usage box. `qtool` and `qtool stats`
+        without a command still print their help."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:  # Typer's rich help printed itself as it was formatted
+            sys.exit(exc.exit_code)
+        except _click_errors.ClickException as exc:
+            errors.print(
+                f"[bold red]error:[/] {escape(usage_error_line(exc))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            errors.print("[bold red]error:[/] aborted", highlight=False)
+            sys.exit(1)
+        # Without standalone mode click returns an Exit's code, or the command's return value
+        # (None: every command here returns None).
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Command(_Help, TyperCommand):
+    pass
 
 
 app = typer.Typer(
@@ -56,38 +112,15 @@ RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file.", show_defaul
 OutputOpt = Annotated[
     Path | None, typer.Option("--output-dir", "-o", help="Override the recipe's output.dir.")
 ]
-ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
-
-
-@contextlib.contextmanager
-def _phase_display(enabled: bool):
-    """Show the pipeline's current phase (qtool/phases.py) as a spinner line while it runs.
-
-    It draws on rich's global console, the one the calibration and evaluation progress bars use,
-    and each phase ends before such a bar starts, so the two never fight over the terminal. On a
-    non-terminal (CI logs) the transient status prints nothing.
-    """
-    if not enabled:
-        yield
-        return
-    import rich
-
-    from qtool.phases import listening
-
-    status = rich.get_console().status("", spinner="dots")
-
-    def show(name: str | None) -> None:
-        if name is None:
-            status.stop()
-        else:
-            status.start()
-            status.update(f"{name}...")  # renders at once, not at the next spinner tick
-
-    try:
-        with listening(show):
-            yield
-    finally:
-        status.stop()
+ProgressOpt = Annotated[
+    bool,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress on stderr: on a terminal the phase and progress bars; elsewhere (CI "
+        "logs, pipes) a line per phase with its time and a progress line at most every 10 s "
+        "(at least every 10 s while a phase runs). --no-progress: none of it.",
+    ),
+]
 
 
 def user_errors(command):
@@ -158,7 +191,7 @@ def calibrate(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             prepared = prepare(loaded)
             stats = run_calibrate(loaded, prepared, progress=progress, shard=part)
     finally:
@@ -212,6 +245,45 @@ def stats_merge(
     )
 
 
+def _runtime_lines(report: dict) -> list[str]:
+    """What runs the model, in the words that hold for its target: ORT's CPU fusion as the
+    target's truth on ort-cpu; for TensorRT the placement check (and the engine where one was
+    built) first, and ORT's CPU fusion named as qtool's verifier, not TensorRT."""
+    lines = []
+    typed = report.get("float_type")
+    if typed:
+        counts = ", ".join(f"{n} {kind}" for kind, n in typed["nodes_by_type"].items())
+        kept = ", ".join(f"{rule} {n}" for rule, n in typed["kept_fp32"].items()) or "none"
+        lines.append(
+            f"float type {typed['float_type']}: nodes compute in {counts}; kept FP32 by rule: "
+            f"{kept}; {len(typed['casts'])} Casts at the boundaries allowed"
+        )
+    runtime = report["runtime"]
+    ort = (
+        f"runs {runtime['planned']} quantized nodes unfused only (float8: no fused CPU variant)"
+        if runtime.get("unfused_only")
+        else f"fuses {runtime['fused']} of {runtime['planned']} quantized nodes"
+    )
+    if runtime.get("emulated"):
+        ort += " (on the FP32 emulation of the BF16 file)"
+    if report["target"] == "ort-cpu":
+        return [*lines, f"ONNX Runtime (CPU provider) {ort}"]
+    trt = report.get("tensorrt")
+    if trt is not None:
+        placement = trt["placement"]
+        broken = sum(rule["violations"] for rule in placement["rules"])
+        verdict = "every rule holds" if placement["passed"] else f"{broken} violations"
+        lines.append(f"TensorRT placement, {placement['basis']}: {verdict}")
+        engine = trt["engine"]
+        if engine.get("built"):
+            types = ", ".join(f"{k} {v}" for k, v in engine["layers_by_output_type"].items())
+            lines.append(f"TensorRT {engine['tensorrt_version']} built the engine: layers {types}")
+        else:
+            lines.append(f"TensorRT engine not built: {engine['why']}")
+    lines.append(f"ONNX Runtime CPU check (qtool's verifier, not {report['target']}): {ort}")
+    return lines
+
+
 @app.command(cls=_Command)
 @user_errors
 def quantize(
@@ -236,24 +308,29 @@ def quantize(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
+    ops = ", ".join(f"{k} {v}" for k, v in summary["quantized_by_op_type"].items())
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "
-        f"({', '.join(f'{k} {v}' for k, v in summary['quantized_by_op_type'].items())}; "
-        f"method {loaded.calibration.method}, target {loaded.quantization.target})",
+        f"({ops + '; ' if ops else ''}method {loaded.calibration.method}, target "
+        f"{loaded.quantization.target})",
         highlight=False,
     )
-    runtime = result.report["runtime"]
-    console.print(
-        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
-        f"nodes; weights for {result.report['cpu']['description']}: "
-        + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
-        highlight=False,
-    )
+    for line in _runtime_lines(result.report):
+        console.print(line, highlight=False, markup=False)
+    if summary["weight_formats"]:
+        console.print(
+            f"weights for {result.report['cpu']['description']}: "
+            + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
+            highlight=False,
+        )
+    ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "
     for group, entry in result.report["low_bit"].items():
-        console.print(f"{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False)
+        console.print(
+            f"{ort_words}{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False
+        )
     speed = result.report.get("low_bit_speed")
     if speed:
         console.print(
@@ -303,7 +380,7 @@ def qat(
     loaded = load_recipe(recipe, output_dir)
     try:
         group = distributed.current()
-        with _phase_display(progress and group.primary):
+        with showing(progress and group.primary):
             result = run_qat(loaded, resume=resume, progress=progress, stats_path=stats)
     finally:
         distributed.shutdown()
@@ -328,12 +405,8 @@ def qat(
         f"(one output step {same['output_step']:.3g})",
         highlight=False,
     )
-    runtime = result.report["runtime"]
-    console.print(
-        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
-        "nodes",
-        highlight=False,
-    )
+    for line in _runtime_lines(result.report):
+        console.print(line, highlight=False, markup=False)
     for warning in result.warnings:
         errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
@@ -363,15 +436,19 @@ def evaluate(
         str | None,
         typer.Option(
             "--metric",
-            help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32). "
-            "Default: accuracy with labels, else agreement, which is refused on an output that "
-            "is not class scores unless named here.",
+            help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32) | "
+            "perplexity (next-token labels: a text data source). Default: perplexity on text, "
+            "accuracy with other labels, else agreement, which is refused on an output that is "
+            "not class scores unless named here.",
         ),
     ] = None,
     max_drop: Annotated[
         float | None,
         typer.Option(
-            "--max-drop", help="Exit 1 when --metric drops by more than this many points."
+            "--max-drop",
+            help="Exit 1 when --metric drops by more than this many points; for perplexity, "
+            "when the quantized model's perplexity exceeds FP32's by more than this many "
+            "percent (relative: 2 allows 47.4 -> 48.3).",
         ),
     ] = None,
     min_cosine: Annotated[
@@ -416,17 +493,19 @@ def evaluate(
         str | None,
         typer.Option(
             "--rows",
-            help="Metric rows of every output, comma-separated: accuracy, top1, sqnr, cosine. "
-            "Default: by output kind (top1 for class scores; sqnr and cosine for embeddings "
-            "and other dense outputs). Overrides evaluation.rows.",
+            help="Metric rows of every output, comma-separated: accuracy, perplexity, top1, kl, "
+            "sqnr, cosine. Default: by output kind (perplexity, top1 and kl for next-token "
+            "scores; top1 for class scores; sqnr and cosine for embeddings and other dense "
+            "outputs). Overrides evaluation.rows.",
         ),
     ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Compare the float and quantized models on every output, fused (as ONNX Runtime runs it)
-    and unfused (QDQ semantics): accuracy, top-1 agreement (class scores), SQNR, cosine, the fused
-    model against its own QDQ semantics, latency, size.
+    and unfused (QDQ semantics): accuracy, top-1 agreement (class scores), perplexity and KL
+    (next-token labels of a text source), SQNR, cosine, the fused model against its own QDQ
+    semantics, latency, size.
 
     Gates (--max-drop, --min-cosine, --min-sqnr) are judged on the fused model, and any failed
     gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
@@ -434,7 +513,13 @@ def evaluate(
     """
     from qtool.app.evaluate import EvaluateOptions
     from qtool.app.evaluate import run as run_evaluation
-    from qtool.metrics.tables import fused_unfused_notes, kind_notes, low_bit_notes, render_table
+    from qtool.metrics.tables import (
+        fused_unfused_notes,
+        kind_notes,
+        low_bit_notes,
+        render_table,
+        unfused_only_notes,
+    )
 
     options = EvaluateOptions(
         output=output,
@@ -451,10 +536,12 @@ def evaluate(
         json_path=json_path,
         junit_path=junit_path,
     )
-    evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
+    with showing(progress):
+        evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
     result = evaluation.result
     console.print(render_table(result))
-    for note in [*kind_notes(result), *fused_unfused_notes(result), *low_bit_notes(result)]:
+    notes = [*unfused_only_notes(result), *kind_notes(result), *fused_unfused_notes(result)]
+    for note in [*notes, *low_bit_notes(result)]:
         console.print(note, highlight=False, markup=False)
     for warning in result.warnings:
         errors.print(
@@ -496,8 +583,9 @@ def analyze(
         str | None,
         typer.Option(
             "--metric",
-            help="accuracy | agreement | cosine | sqnr. Default: the gate `qtool evaluate` "
-            "judges (evaluation.metric / min_cosine / min_sqnr; accuracy with labels).",
+            help="accuracy | agreement | perplexity | cosine | sqnr. Default: the gate `qtool "
+            "evaluate` judges (evaluation.metric / min_cosine / min_sqnr; perplexity on text, "
+            "accuracy with other labels).",
         ),
     ] = None,
     plot: Annotated[
@@ -516,7 +604,7 @@ def analyze(
     from qtool.config.recipe import load_recipe
 
     loaded = load_recipe(recipe, output_dir)
-    with _phase_display(progress):
+    with showing(progress):
         run(
             loaded,
             console,

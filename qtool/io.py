@@ -9,6 +9,8 @@ from a concurrent writer's files and remove them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import secrets
@@ -30,6 +32,27 @@ STALE_AFTER_S = 3600.0
 def _fail(path: Path, exc: OSError, count: int = 1) -> OutputError:
     kept = f"; none of this run's {count} outputs were written" if count > 1 else ""
     return OutputError(f"{path}: cannot write output ({exc.strerror or exc}){kept}")
+
+
+def not_a_file(path: Path, what: str = "file") -> str | None:
+    """Why `path` cannot be read as a `what` ("is a directory, not a stats file", "stats file
+    not found"), or None when it is a file: a message then says which, instead of calling an
+    existing folder missing."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"is a directory, not a {what}"
+    if path.exists():
+        return f"is not a regular file (a {what} is wanted)"
+    return f"{what} not found"
+
+
+def _refuse_folder(target: Path) -> None:
+    """An output path that names a folder: replacing it would move the folder aside (rename
+    cannot put a file over a directory), so it is refused before anything is written."""
+    if target.is_dir():
+        raise OutputError(f"{target}: is a directory; name a file for this output")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -113,6 +136,7 @@ def stage(target: Path, write: Callable[[BinaryIO], None]) -> Staged:
     temporaries (killed runs) are removed first: a staged model's leftovers are gigabytes.
     """
     target = Path(target)
+    _refuse_folder(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target.parent)
@@ -134,6 +158,8 @@ def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
     too: none of this run's outputs survive it.
     """
     targets = [Path(p) for p in files]
+    if not targets:
+        return
     written: dict[Path, Path] = {}
     for path, content in zip(targets, files.values(), strict=True):
         if isinstance(content, Staged):
@@ -142,6 +168,8 @@ def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
             written[path] = content.path
     current: Path | None = None
     try:
+        for path in targets:
+            _refuse_folder(path)
         for folder in dict.fromkeys(p.parent for p in targets):
             current = folder
             folder.mkdir(parents=True, exist_ok=True)
@@ -163,9 +191,14 @@ def commit_files(files: Mapping[Path, bytes | Staged]) -> None:
 
 
 def _backup(path: Path) -> Path | None:
-    """Keep `path`'s current content under a temporary name (None when there is none)."""
+    """Keep `path`'s current content under a temporary name (None when there is none).
+
+    Only a file is kept: a folder that appeared at the target since commit_files checked it is
+    an error, never moved aside."""
     if not path.exists():
         return None
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
     backup = path.parent / f".{path.name}.qtool{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.link(path, backup)
@@ -175,14 +208,18 @@ def _backup(path: Path) -> Path | None:
 
 
 def _rename_all(written: dict[Path, Path]) -> None:
-    backups = {path: _backup(path) for path in written}
+    backups: dict[Path, Path | None] = {}
     done: list[Path] = []
+    failed = next(iter(written))
     try:
+        for path in written:  # inside the try: a failed backup restores the ones made before it
+            failed = path
+            backups[path] = _backup(path)
         for path, tmp in written.items():
+            failed = path
             os.replace(tmp, path)
             done.append(path)
-    except OSError as exc:
-        failed = next(p for p in written if p not in done)
+    except BaseException as exc:  # a full disk, or Ctrl-C between two renames: undo them all
         for path, backup in backups.items():
             try:
                 if backup is None:
@@ -194,10 +231,13 @@ def _rename_all(written: dict[Path, Path]) -> None:
                     backup.unlink(missing_ok=True)
             except OSError:  # best effort: the first error is the one to report
                 continue
-        raise _fail(failed, exc, len(written)) from None
-    for backup in backups.values():
+        if isinstance(exc, OSError):
+            raise _fail(failed, exc, len(written)) from None
+        raise
+    for backup in backups.values():  # every output is in place: a leftover is not a failure
         if backup is not None:
-            backup.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                backup.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -1,25 +1,31 @@
-"""Named phases of a long command (exporting, preparing, calibrating), for the CLI's status line.
+"""Named phases of a long command (exporting, preparing, calibrating), for what the CLI shows.
 
 Exporting a PyTorch model or preparing a large graph takes seconds before the first progress bar
 appears; without a word, a user cannot tell work from a hang. The pipeline marks each phase with
-`phase(name)`; whoever wants to show them (the CLI) installs a listener with `listening`. Without
-a listener a phase costs nothing and prints nothing, so library use stays silent.
+`phase(name)`; whoever wants to show them (qtool/progress.py: a spinner on a terminal, a timed
+line per phase elsewhere) installs a listener with `listening`. Without a listener a phase costs
+nothing and prints nothing, so library use stays silent.
 
-A phase ends before the stage that draws its own progress bar starts (calibration, evaluation),
-so the listener's status line and that bar are never on screen together.
+Phases nest: the listener hears each start and end, innermost last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
-# Called with the phase now running, or None when none is.
-Listener = Callable[[str | None], None]
+
+class Listener(Protocol):
+    """Told when a phase starts and when it ends (`ok` False: it raised)."""
+
+    def started(self, name: str) -> None: ...
+
+    def ended(self, name: str, ok: bool) -> None: ...
+
 
 _listener: ContextVar[Listener | None] = ContextVar("qtool_phase_listener", default=None)
-_current: ContextVar[str | None] = ContextVar("qtool_phase", default=None)
 
 
 @contextmanager
@@ -29,14 +35,13 @@ def phase(name: str) -> Iterator[None]:
     if listener is None:
         yield
         return
-    outer = _current.get()
-    token = _current.set(name)
-    listener(name)
+    listener.started(name)
+    ok = False
     try:
         yield
+        ok = True
     finally:
-        _current.reset(token)
-        listener(outer)
+        listener.ended(name, ok)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ The error type is the caller's (CalibrationError for qtool's own files, DataErro
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -43,6 +44,15 @@ MAX_NPY_HEADER_BYTES = 10_000
 _READ_CHUNK = 16 << 20
 # What zipfile and zlib raise for a damaged member (CRC, a bad deflate stream, a short file).
 READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError)
+
+
+def damage(exc: BaseException, what: str) -> str:
+    """What a READ_ERRORS exception says about the file `what` ("stats file"), for a message:
+    "cannot read the stats file (Permission denied)" when the OS refused it (it is not damaged,
+    and calibrating again will not help), else "corrupt stats file (...)"."""
+    if isinstance(exc, PermissionError) or (isinstance(exc, OSError) and exc.errno == errno.EIO):
+        return f"cannot read the {what} ({exc.strerror or exc})"
+    return f"corrupt {what} ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 def _amount(count: int) -> str:

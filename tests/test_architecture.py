@@ -22,6 +22,7 @@ LAYERS = [
         "qtool.errors",
         "qtool.io",
         "qtool.phases",
+        "qtool.progress",
         "qtool.kernels",
         "qtool.zip_members",
         "qtool.metrics.signal",

@@ -788,15 +788,28 @@ def _tiny_torch_recipe(folder: Path) -> Path:
     return _torch_recipe(folder, weights)
 
 
+class _Recorder:
+    """A phase listener that records ("start", name) and ("end", name, ok)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def started(self, name: str) -> None:
+        self.seen.append(("start", name))
+
+    def ended(self, name: str, ok: bool) -> None:
+        self.seen.append(("end", name, ok))
+
+
 def test_pipeline_reports_each_phase_in_order(tmp_path: Path) -> None:
     from qtool.app.quantize import quantize
     from qtool.phases import listening
 
     recipe = load_recipe(_tiny_torch_recipe(tmp_path), tmp_path / "out")
-    seen: list[str | None] = []
-    with listening(seen.append):
+    recorder = _Recorder()
+    with listening(recorder):
         quantize(recipe, progress=False)
-    assert seen == [item for name in PHASES for item in (name, None)]
+    assert recorder.seen == [e for n in PHASES for e in (("start", n), ("end", n, True))]
     assert (tmp_path / "out" / "model.int8.onnx").is_file()
 
 
@@ -812,11 +825,13 @@ def test_phases_are_silent_without_a_listener(tmp_path: Path, capsys) -> None:
 def test_cli_shows_the_phases_on_a_terminal(tmp_path: Path, cli, monkeypatch) -> None:
     import io
 
-    import rich
     from rich.console import Console
 
+    from qtool import progress
+
     screen = io.StringIO()
-    monkeypatch.setattr(rich, "_console", Console(file=screen, force_terminal=True, width=100))
+    terminal = Console(file=screen, force_terminal=True, width=100)
+    monkeypatch.setattr(progress, "console", lambda: terminal)
     recipe = _tiny_torch_recipe(tmp_path)
     result = cli("quantize", recipe, "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool.algorithms.adaround import (
     Geometry,
@@ -59,6 +59,7 @@ from qtool.ort.cpu import CpuFeatures
 from qtool.ort.sessions import ort_reason
 from qtool.phases import phase
 from qtool.plan.layout import Layout, WeightSlot
+from qtool.progress import bars
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.params import ActivationParams, WeightParams
 from qtool.write.weight_format import FORMAT_LIMITS, keeps_pair_limit, restore_pair_limit
@@ -164,6 +165,12 @@ def adaround_targets(
         if plan.op_type == "Gather":
             skipped[plan.name] = "embedding table: no layer output to reconstruct"
             continue
+        if plan.precision == "fp8":
+            raise RecipeError(
+                f"{where}: node '{plan.name}' has fp8 weights (amax / 448 per channel); "
+                "adaround rounds int8 weights only (drop adaround, or give the node precision "
+                "int8)"
+            )
         if weight.bits != 8 or weight.block_size is not None:
             raise RecipeError(
                 f"{where}: node '{plan.name}' has {weight.bits}-bit {weight.granularity} "
@@ -344,14 +351,14 @@ def round_layer(
     return LayerResult(stored, entry)
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
+def _progress(enabled: bool):
+    return bars(
+        enabled,
         TextColumn("AdaRound {task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        disable=not enabled,
-        transient=True,
+        line="AdaRound {description}: {count}",
     )
 
 

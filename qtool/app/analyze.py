@@ -10,6 +10,7 @@ from rich.console import Console
 from qtool.app import settings
 from qtool.app.common import prepare
 from qtool.config.recipe import Recipe
+from qtool.errors import OutputError
 from qtool.io import commit_files
 from qtool.search import sensitivity
 from qtool.search.plan_file import plan_yaml
@@ -37,39 +38,44 @@ def run(
     use_cache: bool,
     progress: bool,
 ) -> SensitivityResult:
+    if plot is not None and plot.is_dir():  # refused before minutes of analysis, not after
+        raise OutputError(f"--plot {plot}: is a directory; name the PNG file")
     modes = parse_modes(mode)
     chosen = parse_candidates(candidates) if candidates is not None else None
     job = settings.job(recipe)
     sensitivity.check_request(job, samples, metric)
     prepared = prepare(recipe)
-    result = sensitivity.analyze(
-        prepared,
-        job,
-        stats_path=stats,
-        modes=modes,
-        candidates=chosen,
-        samples=samples,
-        metric=metric,
-        progress=progress,
-        use_cache=use_cache,
-    )
-    out = recipe.output_dir
-    files = {
-        out / "sensitivity.json": sensitivity_json(result),
-        out / "plan.yaml": plan_yaml(
-            prepared.model.model,
-            recipe.quantization,
-            prepared.layout.plan,
-            [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
-        ).encode(),
-    }
-    plot_path = plot if plot is not None else out / "sensitivity.png"
-    plot_note = None
     try:
-        files[plot_path] = plot_png(result)
-    except PlotUnavailable as exc:
-        plot_note = f"no plot: {exc}"
-    commit_files(files)
+        result = sensitivity.analyze(
+            prepared,
+            job,
+            stats_path=stats,
+            modes=modes,
+            candidates=chosen,
+            samples=samples,
+            metric=metric,
+            progress=progress,
+            use_cache=use_cache,
+        )
+        out = recipe.output_dir
+        files = {
+            out / "sensitivity.json": sensitivity_json(result),
+            out / "plan.yaml": plan_yaml(
+                prepared.model.model,
+                recipe.quantization,
+                prepared.layout.plan,
+                [f"qtool plan of {recipe.path}: the recipe's per-node precisions, pinned."],
+            ).encode(),
+        }
+        plot_path = plot if plot is not None else out / "sensitivity.png"
+        plot_note = None
+        try:
+            files[plot_path] = plot_png(result)
+        except PlotUnavailable as exc:
+            plot_note = f"no plot: {exc}"
+        commit_files(files)
+    finally:
+        prepared.model.discard()  # a staged float model never outlives the run
 
     if any(m in result.modes for m in ("one-at-a-time", "all-but-one")):
         console.print(sensitivity_table(result))

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from qtool import distributed
-from qtool.app import settings
-from qtool.app.common import prepare
+from qtool.app.common import prepare, statistics
 from qtool.calibration.observers import TensorStats
 from qtool.config.recipe import Recipe
 from qtool.distributed import Shard
 from qtool.io import commit_files
 from qtool.pipeline.prepare import Prepared
-from qtool.pipeline.requests import requests_for
-from qtool.pipeline.statistics import collect_statistics
 
 
 def calibrate(
@@ -23,23 +20,10 @@ def calibrate(
     """Stream the calibration set (or `shard` of it) through the model, across the processes
     torchrun started when it did; write (rank 0) and return the statistics."""
     prepared = prepared if prepared is not None else prepare(recipe)
-    model, where = prepared.model, str(recipe.path)
+    model = prepared.model
     try:
-        requests = requests_for(
-            model.model, prepared.layout, recipe.algorithms, recipe.calibration, where
-        )
-        run = collect_statistics(
-            model,
-            requests,
-            settings.calibration_data(recipe),
-            recipe.calibration.bins,
-            settings.outputs(recipe),
-            where,
-            progress,
-            shard,
-            distributed.current(),
-            reload=False,
-            release=True,
+        run = statistics(
+            recipe, prepared, None, progress, distributed.current(), shard, reload=False
         )
         if run.primary:
             commit_files(run.files)

@@ -32,9 +32,13 @@ def statistics(
     stats_path: Path | None,
     progress: bool,
     group: distributed.Group | None = None,
+    shard: distributed.Shard | None = None,
+    reload: bool = True,
 ) -> Statistics:
-    """This run's statistics: from a new calibration pass (its files not written yet; split
-    across the ranks of `group` and merged exactly), or read from `stats_path`."""
+    """This run's statistics: from a new calibration pass over `shard` of the batches (its
+    files not written yet; split across the ranks of `group` and merged exactly), or read from
+    `stats_path`. `reload`: read a staged model's weights back after the pass (callers that
+    build a model next)."""
     where = str(recipe.path)
     model = prepared.model
     requests = requests_for(
@@ -50,6 +54,8 @@ def statistics(
         settings.outputs(recipe),
         where,
         progress,
-        group=group,
+        shard,
+        group,
+        reload=reload,
         release=True,
     )

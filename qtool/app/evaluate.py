@@ -19,13 +19,19 @@ import onnx
 from qtool.config.recipe import Recipe, load_recipe
 from qtool.data.batches import iter_batches
 from qtool.data.spec import DataSpec, InputSpec
-from qtool.errors import DataError, ModelError, RecipeError
-from qtool.io import atomic_write_bytes, atomic_write_text
+from qtool.errors import DataError, ModelError, OutputError, RecipeError
+from qtool.io import commit_files, not_a_file
 from qtool.metrics.evaluate import Batch, evaluate_models
 from qtool.metrics.gates import GateResult, Gates, judge_gates
 from qtool.metrics.junit import junit_xml
 from qtool.metrics.results import EvalResult
-from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
+from qtool.metrics.spec import (
+    GATE_METRICS,
+    TOKEN_ROWS,
+    EvaluationSpec,
+    gate_problem,
+    rows_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ def run(
     """Evaluate a recipe's models (`recipe`, `output_dir`) or explicit files (`fp32`, `quant`,
     `data`), judge the gates and write the requested JSON and JUnit reports."""
     rows = _check_options(options)
+    _check_report_paths(options)
     if recipe is not None:
         if fp32 is not None or quant is not None or data is not None:
             raise RecipeError("evaluate takes a RECIPE or --fp32/--quant/--data, not both")
@@ -82,12 +89,14 @@ def run(
         spec: EvaluationSpec | None = loaded.evaluation
         fp32_path, quant_path = loaded.float_model_path, quantized_path(loaded)
         batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
+        text = spec.data.text is not None
     else:
         if fp32 is None or quant is None or data is None:
             raise RecipeError("evaluate needs a RECIPE, or all of --fp32, --quant and --data")
         fp32_path, quant_path = fp32, quant
         batches = npz_batches(fp32, data, batch_size)
         spec = None  # no recipe: only the options set gates
+        text = False
 
     def choose(key: str, flag_value):
         """The option when given (it overrides the recipe), else the recipe's value; with where
@@ -108,10 +117,15 @@ def run(
         max_drop_source=max_drop_where,
     )
     labels_required_by = None
-    if chosen_metric == "accuracy":
-        labels_required_by = accuracy_source(metric_where)
-    elif chosen_rows is not None and "accuracy" in chosen_rows:
-        labels_required_by = accuracy_source(rows_where)
+    if chosen_metric in ("accuracy", "perplexity"):
+        labels_required_by = metric_source(metric_where, chosen_metric)
+    elif chosen_rows is not None:
+        wanted = [row for row in ("accuracy", *TOKEN_ROWS) if row in chosen_rows]
+        if wanted:
+            labels_required_by = metric_source(rows_where, wanted[0])
+    # Next-token scoring: on text (its labels are the next tokens), or when asked for by name.
+    token_labels = text or chosen_metric == "perplexity"
+    token_labels |= chosen_rows is not None and bool(set(chosen_rows) & set(TOKEN_ROWS))
     result = evaluate(
         fp32_path,
         quant_path,
@@ -125,6 +139,7 @@ def run(
         progress=options.progress,
         accuracy_level=choose("accuracy_level", options.accuracy_level)[0],
         rows=chosen_rows,
+        token_labels=token_labels,
     )
     evaluation = Evaluation(result, judge_gates(result, gates))
     write_reports(evaluation, options.json_path, options.junit_path)
@@ -155,26 +170,43 @@ def _check_options(options: EvaluateOptions) -> tuple[str, ...] | None:
     return rows
 
 
-def accuracy_source(where: str) -> str:
+def metric_source(where: str, metric: str) -> str:
     """'--metric accuracy' or 'recipe.yaml: evaluation.metric: accuracy', as the user wrote it."""
-    return f"{where} accuracy" if where.startswith("--") else f"{where}: accuracy"
+    return f"{where} {metric}" if where.startswith("--") else f"{where}: {metric}"
 
 
 def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:
     """Evaluate recipe-style batches (qtool.data.batches.Batch); `options` go to evaluate_models."""
     for path in (fp32_path, quant_path):
-        if not Path(path).is_file():
-            raise ModelError(f"{path}: model file not found (run `qtool quantize` first)")
+        problem = not_a_file(path, "model file")
+        if problem is not None:
+            advice = " (run `qtool quantize` first)" if not Path(path).exists() else ""
+            raise ModelError(f"{path}: {problem}{advice}")
     pairs: Iterable[Batch] = ((batch.inputs, batch.labels) for batch in batches)
     return evaluate_models(Path(fp32_path), Path(quant_path), pairs, **options)
 
 
 def write_reports(evaluation: Evaluation, json_path: Path | None, junit_path: Path | None) -> None:
+    """Both reports or neither (one commit): a CI job never reads a JSON of this run beside a
+    JUnit file of the last one."""
+    files: dict[Path, bytes] = {}
     if json_path is not None:
         report = evaluation.result.to_dict(evaluation.gates)
-        atomic_write_text(json_path, json.dumps(report, indent=2, allow_nan=False) + "\n")
+        files[json_path] = (json.dumps(report, indent=2, allow_nan=False) + "\n").encode()
     if junit_path is not None:
-        atomic_write_bytes(junit_path, junit_xml(evaluation.result, evaluation.gates))
+        files[junit_path] = junit_xml(evaluation.result, evaluation.gates)
+    commit_files(files)
+
+
+def _check_report_paths(options: EvaluateOptions) -> None:
+    """Refuse report paths that cannot be written before the models run (minutes on a large
+    model), naming the option."""
+    paths = {"--json": options.json_path, "--junit": options.junit_path}
+    for option, path in paths.items():
+        if path is not None and Path(path).is_dir():
+            raise OutputError(f"{option} {path}: is a directory; name the report file")
+    if options.json_path is not None and options.json_path == options.junit_path:
+        raise OutputError(f"--json and --junit both name {options.json_path}")
 
 
 def quantized_path(recipe: Recipe) -> Path:
@@ -197,10 +229,12 @@ def npz_batches(model_path: Path, data: Path, batch_size: int):
     Symbolic dims (`[N, 3, H, W]`) stay symbolic, so data of any size along them is accepted
     (ORT checks it fits the graph), and a mismatch names the model file and its declared shape.
     """
-    if not model_path.is_file():
-        raise ModelError(f"{model_path}: model file not found")
-    if not data.is_file():
-        raise DataError(f"{data}: data file not found")
+    problem = not_a_file(model_path, "model file")
+    if problem is not None:
+        raise ModelError(f"--fp32 {model_path}: {problem}")
+    problem = not_a_file(data, "data file")
+    if problem is not None:
+        raise DataError(f"--data {data}: {problem}")
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a corrupt file

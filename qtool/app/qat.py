@@ -34,7 +34,7 @@ from qtool.ort.cpu import resolve_cpu
 from qtool.phases import phase
 from qtool.pipeline import planning
 from qtool.pipeline.build import Built
-from qtool.pipeline.finish import verify_and_report, verify_feeds
+from qtool.pipeline.finish import Finished, verify_and_report, verify_feeds
 from qtool.pipeline.float_model import freeze, prepare_in_place, source_sha256
 from qtool.pipeline.prepare import Prepared
 from qtool.qat import export
@@ -78,7 +78,23 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
             f"{recipe.path}: quantization.algorithms [{names}]: qtool qat trains the weights "
             "and biases itself and runs no PTQ algorithm; remove them from the QAT recipe"
         )
-    return recipe.qat or QatSpec()
+    quantization = recipe.quantization
+    asked = quantization.precisions_asked() & {"fp8", "fp16", "bf16"}
+    if asked or quantization.float_type != "fp32":
+        what = ", ".join(sorted(asked)) or f"float_type {quantization.float_type}"
+        raise RecipeError(
+            f"{recipe.path}: quantization ({what}): qtool qat trains int8 and int4 fake "
+            "quantization; FP8 and the FP16/BF16 typing are written by `qtool quantize`"
+        )
+    qat = recipe.qat or QatSpec()
+    train = qat.data or recipe.calibration.data
+    if train.text is not None:
+        raise RecipeError(
+            f"{recipe.path}: {train.where}.text: qtool qat does not train on text yet (its "
+            "losses take one label per sample, not a next token per position); quantize the "
+            "decoder with qtool quantize"
+        )
+    return qat
 
 
 def _prepare(recipe: Recipe, net) -> Prepared:
@@ -89,7 +105,7 @@ def _prepare(recipe: Recipe, net) -> Prepared:
     check_inputs(loaded, recipe.inputs, str(recipe.model.pytorch))
     fit_ir_version(loaded, str(recipe.model.pytorch))
     min_opset = planning.min_opset(recipe.model.opset, recipe.quantization)
-    model = prepare_in_place(loaded, min_opset)
+    model = prepare_in_place(loaded, min_opset, str(recipe.model.pytorch))
     del loaded
     frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model))
     layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)
@@ -134,6 +150,7 @@ def run_qat(
         net.eval()
         teacher = copy.deepcopy(net)
     prepared = _prepare(recipe, net)
+    finished: Finished | None = None
     try:
         layout, model = prepared.layout, prepared.model.model
         calibration = statistics(recipe, prepared, stats_path, progress, group)
@@ -171,36 +188,42 @@ def run_qat(
             int8_inputs,
         )
 
-        train_spec = qat.data or recipe.calibration.data
-        max_samples = None if qat.data is not None else recipe.calibration.max_samples
-        inputs, labels, _ = _stack(train_spec, recipe, max_samples)
-        distill = labels is None or qat.loss is None
-        if distill:
-            size = len(inputs[names[0]])
-            chunks = [{n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)]
-            outs = export.torch_outputs(teacher, chunks, names)
-            targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
-        else:
-            targets = labels
-        data = TrainingSet(inputs, targets, distill)
-        loss_fn, loss_name = make_loss(qat.loss, distill)
+        with phase("reading the training data"):
+            train_spec = qat.data or recipe.calibration.data
+            max_samples = None if qat.data is not None else recipe.calibration.max_samples
+            inputs, labels, _ = _stack(train_spec, recipe, max_samples)
+            distill = labels is None or qat.loss is None
+            if distill:
+                size = len(inputs[names[0]])
+                chunks = [
+                    {n: inputs[n][i : i + _STACK] for n in names} for i in range(0, size, _STACK)
+                ]
+                outs = export.torch_outputs(teacher, chunks, names)
+                targets = [np.concatenate([c[k] for c in outs]) for k in range(len(outs[0]))]
+            else:
+                targets = labels
+            data = TrainingSet(inputs, targets, distill)
+            loss_fn, loss_name = make_loss(qat.loss, distill)
 
-        evaluation = recipe.evaluation
-        eval_feeds, eval_labels = None, None
-        if evaluation is not None:
-            batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
-            eval_feeds = [b.inputs for b in batches]
-            if batches[0].labels is not None:
-                eval_labels = [b.labels for b in batches]
-        check_feeds = eval_feeds or [b.inputs for b in _stack(train_spec, recipe, max_samples)[2]]
+            evaluation = recipe.evaluation
+            eval_feeds, eval_labels = None, None
+            if evaluation is not None:
+                batches = list(iter_batches(evaluation.data, recipe.inputs, evaluation.batch_size))
+                eval_feeds = [b.inputs for b in batches]
+                if batches[0].labels is not None:
+                    eval_labels = [b.labels for b in batches]
+            check_feeds = eval_feeds or [
+                b.inputs for b in _stack(train_spec, recipe, max_samples)[2]
+            ]
 
         accuracy = {}
         if eval_labels is not None and group.primary:
-            fp32 = export.torch_outputs(teacher, eval_feeds, names)
-            accuracy["fp32"] = export.accuracy(fp32, eval_labels)
-            accuracy["fake_quant_before"] = export.accuracy(
-                export.torch_outputs(fake, eval_feeds, names), eval_labels
-            )
+            with phase("measuring accuracy before training"):
+                fp32 = export.torch_outputs(teacher, eval_feeds, names)
+                accuracy["fp32"] = export.accuracy(fp32, eval_labels)
+                accuracy["fake_quant_before"] = export.accuracy(
+                    export.torch_outputs(fake, eval_feeds, names), eval_labels
+                )
         identity = {
             "float_model_sha256": prepared.model.fingerprint,
             "calibration_data_sha256": calibration.data_sha256 or "none",
@@ -321,5 +344,7 @@ def run_qat(
         )
         group.barrier("waiting for rank 0 to write the QAT model")
         return QatResult(recipe.quant_model_path, recipe.report_path, report, finished.warnings)
-    finally:
-        prepared.model.discard()  # a staged float model never outlives the run
+    finally:  # neither staged model (float, quantized) outlives the run
+        prepared.model.discard()
+        if finished is not None:
+            finished.discard()

@@ -89,7 +89,7 @@ def build_settings(recipe: Recipe) -> BuildSettings:
 
 
 def outputs(recipe: Recipe) -> OutputFiles:
-    return OutputFiles(recipe.output_dir)
+    return recipe.outputs
 
 
 def settings_sha256(recipe: Recipe) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from qtool.errors import CalibrationError
-from qtool.zip_members import READ_ERRORS, read_member
+from qtool.zip_members import READ_ERRORS, damage, read_member
 
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
@@ -109,5 +109,5 @@ def load_entries(
                     raise CalibrationError(f"{path}: tensor {entry.name!r} is listed twice")
                 entries[entry.name] = entry
     except READ_ERRORS as exc:
-        raise CalibrationError(f"{path}: corrupt {kind} file ({exc})") from None
+        raise CalibrationError(f"{path}: {damage(exc, f'{kind} file')}") from None
     return entries

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import onnx
 import onnxruntime
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from qtool.calibration.channels import ChannelObserver
 from qtool.calibration.hessians import HessianAccumulator
@@ -40,6 +40,7 @@ from qtool.errors import CalibrationError, ModelError
 from qtool.model import external_data
 from qtool.ort.sessions import create_session, ort_reason
 from qtool.phases import phase
+from qtool.progress import bars
 
 
 def _extra_outputs(model: onnx.ModelProto, tensors: list[str]) -> list[onnx.ValueInfoProto]:
@@ -197,7 +198,7 @@ def collect(
         TextColumn("samples"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, disable=not progress, transient=True) as bar:
+    with bars(progress, *columns, line="calibrating: {count} samples") as bar:
         task = bar.add_task("calibrate", total=total_samples)
         for batch in batches:
             try:

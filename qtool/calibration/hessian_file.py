@@ -27,7 +27,7 @@ import numpy as np
 from qtool.calibration.archive import index_field, load_entries, write_member
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.errors import CalibrationError
-from qtool.io import atomic_write_bytes
+from qtool.io import atomic_write_bytes, not_a_file
 from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 
 FORMAT = "qtool-hessians/1"
@@ -152,8 +152,10 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianA
 def load_hessians(path: Path, model_fingerprint: str) -> dict[str, HessianAccumulator]:
     """The accumulators of a Hessian file collected on the model with `model_fingerprint`."""
     path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(f"{path}: Hessian file not found (run `qtool calibrate` first)")
+    problem = not_a_file(path, "Hessian file")
+    if problem is not None:
+        advice = " (run `qtool calibrate` first)" if not path.exists() else ""
+        raise CalibrationError(f"{path}: {problem}{advice}")
 
     def read(archive: zipfile.ZipFile, index: dict, entry: object) -> HessianAccumulator:
         if index.get("layout") != _LAYOUT:

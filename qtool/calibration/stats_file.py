@@ -27,8 +27,14 @@ from qtool.calibration.archive import MAX_INDEX_BYTES, write_member
 from qtool.calibration.data_digest import DataDigest
 from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
-from qtool.io import atomic_write_bytes
-from qtool.zip_members import MAX_NPY_HEADER_BYTES, READ_ERRORS, NpyMember, read_member
+from qtool.io import atomic_write_bytes, not_a_file
+from qtool.zip_members import (
+    MAX_NPY_HEADER_BYTES,
+    READ_ERRORS,
+    NpyMember,
+    damage,
+    read_member,
+)
 
 FORMAT = "qtool-stats/1"
 # The largest `bins` a stats file may record: recipe.MAX_BINS, the largest calibration.bins
@@ -203,8 +209,10 @@ def read_stats_file(path: Path) -> StatsFile:
     would become a NaN scale in the model.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CalibrationError(f"{path}: stats file not found (run `qtool calibrate` first)")
+    problem = not_a_file(path, "stats file")
+    if problem is not None:
+        advice = " (run `qtool calibrate` first)" if not path.exists() else ""
+        raise CalibrationError(f"{path}: {problem}{advice}")
     try:
         with zipfile.ZipFile(path) as archive:
             index = json.loads(
@@ -221,7 +229,9 @@ def read_stats_file(path: Path) -> StatsFile:
                     f"{path}: index bins is {bins}; calibration.bins is at most {MAX_BINS}"
                 )
             stats = [_checked_tensor(path, archive, entry, bins) for entry in index["tensors"]]
-    except (*READ_ERRORS, KeyError, ValueError, TypeError, RecursionError) as exc:
+    except READ_ERRORS as exc:
+        raise CalibrationError(f"{path}: {damage(exc, 'stats file')}") from None
+    except (KeyError, ValueError, TypeError, RecursionError) as exc:
         raise CalibrationError(
             f"{path}: corrupt stats file ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None

@@ -30,11 +30,21 @@ from qtool.algorithms.spec import (
 from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
 from qtool.config import presets
 from qtool.config.yaml_load import load_yaml
-from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
+from qtool.data.spec import (
+    IMAGE_MODES,
+    INPUT_DTYPES,
+    DataSpec,
+    ImageFolder,
+    InputSpec,
+    TextSource,
+)
+from qtool.data.text import inputs_problem, tokenizer_file
 from qtool.errors import RecipeError
+from qtool.io import not_a_file
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
+from qtool.pipeline.outputs import OutputFiles
 from qtool.pipeline.tuning import BASELINES, MAX_EVERY, TuningSpec
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
@@ -42,9 +52,13 @@ from qtool.plan.settings import (
     ACTIVATION_PRECISIONS,
     BLOCK_SIZES,
     DEFAULT_OP_TYPES,
+    FLOAT_IO,
+    FLOAT_TYPES,
     INT4_FORMATS,
     PRECISIONS,
+    QUANTIZED_PRECISIONS,
     SATURATION_POLICIES,
+    TARGET_PRECISIONS,
     TARGETS,
     WEIGHT_GRANULARITIES,
     WEIGHT_METHODS,
@@ -80,27 +94,31 @@ class Recipe:
     tuning: TuningSpec = field(default_factory=TuningSpec)
 
     @property
+    def outputs(self) -> OutputFiles:
+        """The files of the output folder by role, named as every stage names them."""
+        return OutputFiles(self.output_dir)
+
+    @property
     def float_model_path(self) -> Path:
-        return self.output_dir / "model.fp32.onnx"
+        return self.outputs.float_model
 
     @property
     def quant_model_path(self) -> Path:
-        """model.int8.onnx, or model.int4.onnx when the recipe asks for 4-bit weights anywhere."""
-        bits = "int4" if self.quantization.uses_int4 else "int8"
-        return self.output_dir / f"model.{bits}.onnx"
+        """model.int8.onnx, model.int4.onnx when the recipe asks for 4-bit weights anywhere,
+        model.fp8.onnx for FP8 Q/DQ, model.fp16.onnx for a recipe that only types the model."""
+        return self.outputs.quantized_model(self.quantization.model_tag)
 
     @property
     def stats_path(self) -> Path:
-        return self.output_dir / "stats.npz"
+        return self.outputs.stats
 
     @property
     def hessians_path(self) -> Path:
-        """GPTQ's XᵀX per layer input, written by the calibration run beside the stats file."""
-        return self.output_dir / "hessians.npz"
+        return self.outputs.hessians
 
     @property
     def report_path(self) -> Path:
-        return self.output_dir / "report.json"
+        return self.outputs.report
 
 
 _SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
@@ -178,8 +196,9 @@ class _Reader:
 
     def existing_file(self, value: Any, where: str) -> Path:
         path = self.base / self.string(value, where)
-        if not self.probe(path, where, Path.is_file):
-            raise self.fail(where, f"file not found: {path}")
+        problem = self.probe(path, where, not_a_file)
+        if problem is not None:
+            raise self.fail(where, f"{problem}: {path}")
         return path
 
     def existing_dir(self, value: Any, where: str) -> Path:
@@ -206,12 +225,17 @@ class _Reader:
             raise self.fail(where, f"must be a list of numbers, got {_show(value)}")
         return tuple(self.number(item, f"{where}[{i}]") for i, item in enumerate(value))
 
-    def shape(self, value: Any, where: str) -> tuple[int, ...]:
+    def shape(self, value: Any, where: str, empty_axes: bool = False) -> tuple[int, ...]:
+        """A list of dims, each >= 1; with `empty_axes`, dims after the first (the batch) may
+        be 0: an empty axis, such as the past length of a KV-cache input fed no past."""
         if not isinstance(value, list) or not value:
             raise self.fail(
                 where, f"must be a non-empty list of positive integers, got {_show(value)}"
             )
-        return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
+        return tuple(
+            self.integer(dim, f"{where}[{i}]", minimum=0 if empty_axes and i > 0 else 1)
+            for i, dim in enumerate(value)
+        )
 
 
 def _one_line(text: str) -> str:
@@ -229,8 +253,9 @@ def _join(where: str, key: str) -> str:
 def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recipe:
     """Parse and validate a recipe file; every problem is a RecipeError naming the key path."""
     recipe_path = Path(path)
-    if not recipe_path.is_file():
-        raise RecipeError(f"{recipe_path}: recipe file not found")
+    problem = not_a_file(recipe_path, "recipe file")
+    if problem is not None:
+        raise RecipeError(f"{recipe_path}: {problem}")
     raw = load_yaml(recipe_path)
     reader = _Reader(recipe_path)
     raw = _apply_base(reader, raw if raw is not None else {}, [recipe_path.resolve()])
@@ -253,22 +278,28 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     )
     model = _read_model(reader, top["model"])
     inputs = _read_inputs(reader, top["inputs"])
-    calibration = _read_calibration(reader, top["calibration"])
+    calibration = _read_calibration(reader, top["calibration"], inputs)
     quantization = _read_quantization(reader, top.get("quantization", {}))
     algorithms = _read_algorithms(reader, top.get("quantization", {}).get("algorithms", []))
-    evaluation = _read_evaluation(reader, top["evaluation"]) if "evaluation" in top else None
+    evaluation = None
+    if "evaluation" in top:
+        evaluation = _read_evaluation(reader, top["evaluation"], inputs)
     out = top.get("output", {})
     reader.mapping(out, "output", {"dir"})
     if output_dir is not None:
         out_path = Path(output_dir)
+        if reader.probe(out_path, "--output-dir", Path.exists) and not out_path.is_dir():
+            raise RecipeError(f"--output-dir {out_path}: is a file, not a folder")
     else:
         out_path = reader.base / reader.string(out.get("dir", "out"), "output.dir")
+        if reader.probe(out_path, "output.dir", Path.exists) and not out_path.is_dir():
+            raise reader.fail("output.dir", f"is a file, not a folder: {out_path}")
     seed = reader.integer(top.get("seed", 0), "seed", minimum=0)
     mixed = None
     if "mixed_precision" in top:
         mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
-    qat = _read_qat(reader, top["qat"]) if "qat" in top else None
-    tuning = _read_tuning(reader, top["tuning"]) if "tuning" in top else TuningSpec()
+    qat = _read_qat(reader, top["qat"], inputs) if "qat" in top else None
+    tuning = _read_tuning(reader, top["tuning"], inputs) if "tuning" in top else TuningSpec()
     return Recipe(
         recipe_path,
         model,
@@ -362,18 +393,18 @@ def _read_inputs(reader: _Reader, raw: Any) -> tuple[InputSpec, ...]:
         where = f"inputs.{name}"
         if isinstance(value, dict):
             reader.mapping(value, where, {"shape", "dtype"}, {"shape"})
-            shape = reader.shape(value["shape"], f"{where}.shape")
+            shape = reader.shape(value["shape"], f"{where}.shape", empty_axes=True)
             dtype = reader.choice(value.get("dtype", "float32"), f"{where}.dtype", INPUT_DTYPES)
         else:
-            shape, dtype = reader.shape(value, where), "float32"
+            shape, dtype = reader.shape(value, where, empty_axes=True), "float32"
         specs.append(InputSpec(str(name), shape, dtype))
     return tuple(specs)
 
 
-def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
-    kinds = {"npz", "npy", "images", "python", "synthetic"}
+def _read_data(reader: _Reader, raw: Any, where: str, inputs: tuple[InputSpec, ...]) -> DataSpec:
+    kinds = {"npz", "npy", "images", "python", "text", "synthetic"}
     reader.mapping(raw, where, kinds | {"labels", "samples"})
-    chosen = [k for k in ("npz", "npy", "images", "python") if k in raw]
+    chosen = [k for k in ("npz", "npy", "images", "python", "text") if k in raw]
     synthetic = (
         reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
     )
@@ -381,7 +412,8 @@ def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
         chosen.append("synthetic")
     if len(chosen) != 1:
         raise reader.fail(
-            where, "give exactly one data source: npz, npy, images, python, or synthetic: true"
+            where,
+            "give exactly one data source: npz, npy, images, python, text, or synthetic: true",
         )
     if "samples" in raw and not synthetic:
         raise reader.fail(f"{where}.samples", "only applies to synthetic: true")
@@ -401,8 +433,80 @@ def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
         return DataSpec(where, images=_read_images(reader, raw["images"], f"{where}.images"))
     if kind == "python":
         return DataSpec(where, python=reader.entry_point(raw["python"], f"{where}.python"))
+    if kind == "text":
+        return DataSpec(where, text=_read_text(reader, raw["text"], f"{where}.text", inputs))
     samples = reader.integer(raw.get("samples", 64), f"{where}.samples", minimum=1)
     return DataSpec(where, synthetic=True, samples=samples)
+
+
+def _read_text(reader: _Reader, raw: Any, where: str, inputs: tuple[InputSpec, ...]) -> TextSource:
+    """`text: {files, tokenizer, window, stride, max_windows, bos}`; the window defaults to the
+    sequence length of inputs.input_ids, and every input must be one the source can fill."""
+    keys = {"files", "tokenizer", "window", "stride", "max_windows", "bos"}
+    reader.mapping(raw, where, keys, {"files", "tokenizer"})
+    files = _read_text_files(reader, raw["files"], f"{where}.files")
+    tokenizer = reader.base / reader.string(raw["tokenizer"], f"{where}.tokenizer")
+    found = reader.probe(tokenizer, f"{where}.tokenizer", tokenizer_file)
+    if found is None:
+        if reader.probe(tokenizer, f"{where}.tokenizer", Path.is_dir):
+            raise reader.fail(
+                f"{where}.tokenizer",
+                f"folder {tokenizer} has no tokenizer.json (the Hugging Face tokenizers format "
+                "that transformers' save_pretrained writes)",
+            )
+        raise reader.fail(f"{where}.tokenizer", f"file not found: {tokenizer}")
+    ids = next((spec for spec in inputs if spec.name == "input_ids"), None)
+    if "window" in raw:
+        window = reader.integer(raw["window"], f"{where}.window", minimum=2)
+    elif ids is not None and len(ids.shape) == 2:
+        window = int(ids.shape[1])
+    else:
+        raise reader.fail(
+            f"{where}.window", "is required when inputs: declares no input_ids [batch, tokens]"
+        )
+    bos = raw.get("bos", False)
+    if not isinstance(bos, bool):
+        bos = reader.string(bos, f"{where}.bos")
+    elif bos and window < 3:
+        raise reader.fail(f"{where}.window", f"with bos, must be >= 3, got {window}")
+    problem = inputs_problem(inputs, window)
+    if problem is not None:
+        raise reader.fail(where, problem)
+    stride = raw.get("stride")
+    max_windows = raw.get("max_windows")
+    return TextSource(
+        files=files,
+        tokenizer=found,
+        window=window,
+        stride=None if stride is None else reader.integer(stride, f"{where}.stride", minimum=1),
+        max_windows=None
+        if max_windows is None
+        else reader.integer(max_windows, f"{where}.max_windows", minimum=1),
+        bos=bos,
+    )
+
+
+def _read_text_files(reader: _Reader, raw: Any, where: str) -> tuple[Path, ...]:
+    """A path, a glob, or a list of them; a glob's matches sorted, the list's order kept."""
+    entries = [raw] if isinstance(raw, str) else raw
+    if not isinstance(entries, list) or not entries:
+        raise reader.fail(where, f"must be a file, a glob or a list of them, got {_show(raw)}")
+    files: list[Path] = []
+    for index, entry in enumerate(entries):
+        key = where if isinstance(raw, str) else f"{where}[{index}]"
+        text = reader.string(entry, key)
+        if any(c in text for c in "*?["):
+            if any(c in str(Path(text).parent) for c in "*?["):
+                raise reader.fail(key, f"a glob may only match file names, got {_show(text)}")
+            pattern = reader.base / text
+            found = reader.probe(pattern, key, lambda p: list(p.parent.glob(p.name)))
+            matches = sorted(p for p in found if p.is_file())
+            if not matches:
+                raise reader.fail(key, f"no file matches {pattern}")
+            files += matches
+        else:
+            files.append(reader.existing_file(text, key))
+    return tuple(files)
 
 
 def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
@@ -434,7 +538,14 @@ def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
     )
 
 
-def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
+def _default_batch(data: DataSpec, default: int) -> int:
+    """A text source's windows default to batch 1: the logits of one window of a decoder are
+    window x vocabulary floats (512 tokens of a 49k vocabulary: 100 MB), and calibration keeps
+    every quantized node's input of the batch besides."""
+    return 1 if data.text is not None else default
+
+
+def _read_calibration(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> CalibrationSpec:
     keys = {"data", "batch_size", "max_samples", "method", "percentile", "bins"}
     reader.mapping(raw, "calibration", keys, {"data"})
     percentile = reader.number(raw.get("percentile", 99.99), "calibration.percentile")
@@ -448,9 +559,12 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
             "calibration.bins", f"must be even (the histogram is split at 0), got {bins}"
         )
     max_samples = raw.get("max_samples")
+    data = _read_data(reader, raw["data"], "calibration.data", inputs)
     return CalibrationSpec(
-        data=_read_data(reader, raw["data"], "calibration.data"),
-        batch_size=reader.integer(raw.get("batch_size", 32), "calibration.batch_size", minimum=1),
+        data=data,
+        batch_size=reader.integer(
+            raw.get("batch_size", _default_batch(data, 32)), "calibration.batch_size", minimum=1
+        ),
         max_samples=None
         if max_samples is None
         else reader.integer(max_samples, "calibration.max_samples", minimum=1),
@@ -460,7 +574,7 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
     )
 
 
-def _read_tuning(reader: _Reader, raw: Any) -> TuningSpec:
+def _read_tuning(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> TuningSpec:
     """`tuning:` (docs/recipe.md): its own data, or the split of the calibration set."""
     raw = {} if raw is None else raw
     keys = {"data", "every", "max_samples", "batch_size", "baseline"}
@@ -471,7 +585,7 @@ def _read_tuning(reader: _Reader, raw: Any) -> TuningSpec:
         )
     defaults = TuningSpec()
     return TuningSpec(
-        data=_read_data(reader, raw["data"], "tuning.data") if "data" in raw else None,
+        data=_read_data(reader, raw["data"], "tuning.data", inputs) if "data" in raw else None,
         every=reader.integer(
             raw.get("every", defaults.every), "tuning.every", minimum=2, maximum=MAX_EVERY
         ),
@@ -501,6 +615,9 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         "algorithms",
         "int4_format",
         "accuracy_level",
+        "precision",
+        "float_type",
+        "float_io",
     }
     reader.mapping(raw, "quantization", keys)
     op_types = _read_op_types(
@@ -532,7 +649,23 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             )
     accuracy_level = str(raw.get("accuracy_level", "auto"))
     reader.choice(accuracy_level, "quantization.accuracy_level", ACCURACY_LEVEL_CHOICES)
-    return QuantizationSpec(
+    precision = raw.get("precision")
+    if precision is not None:
+        precision = reader.choice(precision, "quantization.precision", QUANTIZED_PRECISIONS)
+        weights = _with_precision(reader, weights, precision, "quantization")
+    if precision == "fp8" and activations == "float":
+        raise reader.fail(
+            "quantization.activations",
+            "float contradicts precision fp8 (FP8 has no "
+            "weight-only form: its activations are fp8)",
+        )
+    float_type = reader.choice(
+        raw.get("float_type", "fp32"), "quantization.float_type", tuple(FLOAT_TYPES)
+    )
+    float_io = reader.choice(raw.get("float_io", "keep"), "quantization.float_io", FLOAT_IO)
+    if float_io != "keep" and float_type == "fp32":
+        raise reader.fail("quantization.float_io", "applies to a float_type other than fp32")
+    spec = QuantizationSpec(
         target=target,
         int4_format=int4_format,
         accuracy_level=accuracy_level,
@@ -550,7 +683,53 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             _read_override(reader, entry, f"quantization.overrides[{i}]")
             for i, entry in enumerate(overrides)
         ),
+        precision=precision,
+        float_type=float_type,
+        float_io=float_io,
     )
+    _check_target_precisions(reader, spec)
+    return spec
+
+
+def _with_precision(
+    reader: _Reader, weights: WeightSettings, precision: str, where: str
+) -> WeightSettings:
+    """The weight settings a precision implies (int4: 4 bits, int8 and fp8: 8), refusing the
+    ones that contradict it; FP8 weights are amax / 448 per output channel, nothing else."""
+    bits = {"int4": 4, "int8": 8, "fp8": 8}.get(precision)
+    if bits is None:
+        return weights
+    if weights.bits is not None and weights.bits != bits:
+        raise reader.fail(
+            f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+        )
+    if precision == "fp8":
+        if weights.granularity == "block" or weights.block_size is not None:
+            raise reader.fail(
+                f"{where}.weights",
+                "fp8 weights have one scale per output channel (or per tensor), not blocks",
+            )
+        if weights.method not in (None, "minmax"):
+            raise reader.fail(
+                f"{where}.weights.method",
+                f"{weights.method} is for integer weights; fp8 weights are scaled by amax / 448",
+            )
+    return weights.layered(WeightSettings(bits=bits))
+
+
+def _check_target_precisions(reader: _Reader, spec: QuantizationSpec) -> None:
+    """FP8 and BF16 are TensorRT's: ORT's CPU provider has no BF16 kernels and cannot fuse
+    float8 Q/DQ, so a recipe for ort-cpu that asks for them is refused up front."""
+    offered = TARGET_PRECISIONS[spec.target]
+    asked = [("quantization.precision", spec.precision)]
+    asked.append(("quantization.float_type", FLOAT_TYPES[spec.float_type]))
+    asked += [(f"{o.where}.precision", o.precision) for o in spec.overrides]
+    for where, precision in asked:
+        if precision is not None and precision not in offered:
+            runs = ", ".join(t for t, p in TARGET_PRECISIONS.items() if precision in p)
+            raise reader.fail(
+                where, f"{precision} is not offered by target {spec.target} (it is for {runs})"
+            )
 
 
 def read_algorithms(raw: Any, source: str) -> Algorithms:
@@ -663,16 +842,16 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
     precision = raw.get("precision")
+    activations = raw.get("activations")
     if precision is not None:
         reader.choice(precision, f"{where}.precision", PRECISIONS)
-        bits = {"int4": 4, "int8": 8}.get(precision)
-        if weights.bits is not None and bits is not None and weights.bits != bits:
+        weights = _with_precision(reader, weights, precision, where)
+        if precision in FLOAT_TYPES.values() and ("weights" in raw or activations is not None):
             raise reader.fail(
-                f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+                where, f"precision {precision} has no Q/DQ: weights and activations do not apply"
             )
-        if bits is not None:
-            weights = weights.layered(WeightSettings(bits=bits))
-    activations = raw.get("activations")
+        if precision == "fp8" and activations == "float":
+            raise reader.fail(f"{where}.activations", "float contradicts precision fp8")
     return Override(
         where=where,
         nodes=nodes,
@@ -685,7 +864,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
     )
 
 
-def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
+def _read_evaluation(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> EvaluationSpec:
     keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
     keys |= {"accuracy_level", "rows"}
     reader.mapping(raw, "evaluation", keys, {"data"})
@@ -711,9 +890,12 @@ def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
         gates[key] = value
     output = raw.get("output")
     metric = raw.get("metric")
+    data = _read_data(reader, raw["data"], "evaluation.data", inputs)
     return EvaluationSpec(
-        data=_read_data(reader, raw["data"], "evaluation.data"),
-        batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
+        data=data,
+        batch_size=reader.integer(
+            raw.get("batch_size", _default_batch(data, 64)), "evaluation.batch_size", minimum=1
+        ),
         output=None if output is None else reader.string(output, "evaluation.output"),
         metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
         accuracy_level=accuracy_level,
@@ -751,11 +933,19 @@ def _read_mixed_precision(
             if name in candidates[:index]:
                 raise reader.fail(f"{key}[{index}]", f"{name!r} is listed twice")
         if not set(candidates) - {"float"}:
-            raise reader.fail(key, "needs int4 or int8 (float alone leaves nothing to choose)")
+            raise reader.fail(
+                key, "needs int4, int8, fp8, fp16 or bf16 (float alone leaves nothing to choose)"
+            )
         if "int4" in candidates and quantization.target == "tensorrt":
             raise reader.fail(
                 key, "int4 is not a candidate for target tensorrt (qtool writes int8 for it)"
             )
+        offered = TARGET_PRECISIONS[quantization.target]
+        for index, name in enumerate(candidates):
+            if name not in offered:
+                raise reader.fail(
+                    f"{key}[{index}]", f"{name} is not offered by target {quantization.target}"
+                )
         candidates = tuple(p for p in PRECISIONS if p in candidates)
     return MixedPrecisionSpec(
         objective=objective,
@@ -791,7 +981,7 @@ def _read_budget(reader: _Reader, raw: Any, where: str) -> BudgetSpec:
     return BudgetSpec(metric=metric, **{key: value})
 
 
-def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
+def _read_qat(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> QatSpec:
     keys = {"epochs", "lr", "optimizer", "batch_size", "seed", "data", "loss", "learn_scales"}
     reader.mapping(raw if raw is not None else {}, "qat", keys)
     raw = raw or {}
@@ -816,7 +1006,7 @@ def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
         optimizer=reader.choice(raw.get("optimizer", "adam"), "qat.optimizer", QAT_OPTIMIZERS),
         batch_size=reader.integer(raw.get("batch_size", 32), "qat.batch_size", minimum=1),
         seed=None if seed is None else reader.integer(seed, "qat.seed", minimum=0),
-        data=_read_data(reader, raw["data"], "qat.data") if "data" in raw else None,
+        data=_read_data(reader, raw["data"], "qat.data", inputs) if "data" in raw else None,
         loss=loss,
         learn_scales=reader.boolean(raw.get("learn_scales", False), "qat.learn_scales"),
     )

@@ -36,13 +36,17 @@ class VariantMetrics:
     """One way of running the quantized model (fused or unfused) vs FP32, on one output.
 
     agreement is None for outputs without a class axis (rank < 2: no top-1 to agree on);
-    accuracy is None except on the gated output of labelled data.
+    accuracy is None except on the gated output of labelled data. On an output scored on
+    next-token labels (metrics/tokens.py) agreement counts the predicted positions only, and
+    perplexity and kl (mean KL(FP32 || quantized) in nats) are set.
     """
 
     sqnr_db: float
     cosine: float
     agreement: float | None
     accuracy: float | None = None
+    perplexity: float | None = None
+    kl: float | None = None
 
 
 @dataclass
@@ -72,30 +76,60 @@ class OutputResult:
     """
 
     name: str
-    fused: VariantMetrics
+    fused: VariantMetrics | None  # None: no fused variant (EvalResult.unfused_only says why)
     unfused: VariantMetrics
     fp32_accuracy: float | None = None
     kind: str | None = None
     kind_evidence: str | None = None
     rows: tuple[str, ...] | None = None
     fused_vs_unfused: FusedVsUnfused | None = None
+    # Set on an output scored on next-token labels: FP32's perplexity and the predicted tokens.
+    fp32_perplexity: float | None = None
+    tokens: int | None = None
 
-    def variant(self, name: str) -> VariantMetrics:
+    def variant(self, name: str) -> VariantMetrics | None:
         return self.fused if name == "fused" else self.unfused
 
+    @property
+    def scores_tokens(self) -> bool:
+        return self.fp32_perplexity is not None
+
+    @property
+    def judged_variant(self) -> str:
+        """The variant gates judge: fused (what deploys on the CPU) where there is one, else
+        unfused (a float8 model, which ORT's CPU provider runs only unfused)."""
+        return "fused" if self.fused is not None else "unfused"
+
+    @property
+    def judged(self) -> VariantMetrics:
+        return self.fused if self.fused is not None else self.unfused
+
     def to_dict(self) -> dict:
-        def variant(m: VariantMetrics) -> dict:
-            return {
+        def variant(m: VariantMetrics | None) -> dict | None:
+            if m is None:
+                return None
+            entry = {
                 "accuracy": m.accuracy,
                 "agreement": m.agreement,
                 "sqnr_db": json_float(m.sqnr_db),
                 "cosine": m.cosine,
             }
+            if self.scores_tokens:
+                entry["perplexity"] = _json_optional(m.perplexity)
+                entry["kl"] = _json_optional(m.kl)
+            return entry
 
         gap = self.fused_vs_unfused
+        tokens = {}
+        if self.scores_tokens:
+            tokens = {
+                "fp32_perplexity": _json_optional(self.fp32_perplexity),
+                "tokens": self.tokens,
+            }
         return {
             "name": self.name,
             "fp32_accuracy": self.fp32_accuracy,
+            **tokens,
             "fused": variant(self.fused),
             "unfused": variant(self.unfused),
             "kind": self.kind,
@@ -103,6 +137,16 @@ class OutputResult:
             "rows": None if self.rows is None else list(self.rows),
             "fused_vs_unfused": None if gap is None else gap.to_dict(),
         }
+
+
+def _json_optional(value: float | None) -> float | str | None:
+    return None if value is None else json_float(value)
+
+
+def perplexity_rise(fp32: float, quantized: float) -> float:
+    """How much higher the quantized model's perplexity is than FP32's, in percent (negative:
+    lower). What `max_drop` counts for the perplexity metric."""
+    return (quantized / fp32 - 1.0) * 100.0
 
 
 @dataclass
@@ -149,6 +193,15 @@ class EvalResult:
     # accuracy_level -> MatMulNBits nodes written in the model file (the session option does not
     # reach them; it applies to the nodes ORT forms from DequantizeLinear -> MatMul).
     written_levels: dict[int, int] = field(default_factory=dict)
+    # Why the quantized model has no fused variant on this CPU (float8 Q/DQ), or None; then the
+    # gates, the change column and the latency are the unfused run's.
+    unfused_only: str | None = None
+    # How a file the CPU cannot run was measured instead (BF16: an FP32 emulation), or None.
+    emulated: str | None = None
+
+    @property
+    def judged_variant(self) -> str:
+        return "unfused" if self.unfused_only is not None else "fused"
 
     def accuracy_level_note(self) -> str | None:
         """Which MatMulNBits compute the fused numbers came from, when MatMulNBits ran."""
@@ -184,20 +237,31 @@ class EvalResult:
 
     @property
     def agreement(self) -> float | None:
-        return self.gated().fused.agreement
+        return self.gated().judged.agreement
 
     @property
     def sqnr_db(self) -> float:
-        return self.gated().fused.sqnr_db
+        return self.gated().judged.sqnr_db
 
     @property
     def cosine(self) -> float:
-        return self.gated().fused.cosine
+        return self.gated().judged.cosine
 
-    def drop_points(self, metric: str, variant: str = "fused") -> float:
-        """Points lost on the gated output: accuracy (FP32 - quantized) or top-1 disagreement."""
+    def drop_points(self, metric: str, variant: str | None = None) -> float:
+        """Points lost on the gated output: accuracy (FP32 - quantized) or top-1 disagreement;
+        for perplexity, the percent it rose over FP32's. `variant` None: the judged one (fused,
+        or unfused where there is no fused variant)."""
         gated = self.gated()
-        measured = gated.variant(variant)
+        measured = gated.variant(variant) if variant is not None else gated.judged
+        if measured is None:
+            raise DataError(f"there is no {variant} variant: {self.unfused_only}")
+        if metric == "perplexity":
+            if gated.fp32_perplexity is None or measured.perplexity is None:
+                raise DataError(
+                    f"perplexity needs next-token labels for output {self.output!r} (a text: "
+                    "data source), but the evaluation data has none"
+                )
+            return perplexity_rise(gated.fp32_perplexity, measured.perplexity)
         if metric == "accuracy":
             if gated.fp32_accuracy is None or measured.accuracy is None:
                 raise DataError("accuracy needs labels, but the evaluation data has none")
@@ -210,14 +274,19 @@ class EvalResult:
         return (1.0 - measured.agreement) * 100.0
 
     def default_metric(self) -> str:
+        """Perplexity on next-token labels, else accuracy with labels, else agreement."""
+        if self.gated().scores_tokens:
+            return "perplexity"
         return "accuracy" if self.has_labels else "agreement"
 
     def accuracy_drop_points(self) -> float:
-        """The default gate number: accuracy lost with labels, else top-1 disagreement (fused)."""
+        """The default gate number (fused): perplexity rise on next-token labels, accuracy lost
+        with other labels, else top-1 disagreement."""
         return self.drop_points(self.default_metric())
 
     def speedup(self) -> float:
-        """FP32 median latency over fused quantized median (> 1 means the quantized is faster)."""
+        """FP32 median latency over the quantized median (fused, or unfused where there is no
+        fused variant; > 1 means the quantized is faster)."""
         return self.fp32.latency_ms_median / self.quant.latency_ms_median
 
     def size_ratio(self) -> float:
@@ -241,8 +310,16 @@ class EvalResult:
             "gates": [g.to_dict() for g in gates],
             "passed": all(g.passed for g in gates),
             "warnings": [{"code": w.code, "message": w.message} for w in self.warnings],
+            "fused_variant": {
+                "available": self.unfused_only is None,
+                "why_not": self.unfused_only,
+                "judged": self.judged_variant,
+            },
+            "emulated": self.emulated,
             "latency": {
-                "compared": "fp32 vs quantized fused (ORT_ENABLE_ALL)",
+                "compared": "fp32 vs quantized fused (ORT_ENABLE_ALL)"
+                if self.unfused_only is None
+                else "fp32 vs quantized unfused (ORT_DISABLE_ALL: no fused variant)",
                 "batch": self.latency_batch,
                 "runs": self.latency_runs,
                 "fp32_ms": {

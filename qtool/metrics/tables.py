@@ -12,7 +12,7 @@ from rich.table import Table
 
 from qtool.metrics.fusion_gap import kernels_matter, meaning
 from qtool.metrics.kinds import CLASS_SCORES
-from qtool.metrics.results import EvalResult, OutputResult
+from qtool.metrics.results import EvalResult, OutputResult, perplexity_rise
 from qtool.metrics.signal import format_db
 from qtool.runtime.fused_gap import kernel_advice, kernel_cause
 
@@ -47,6 +47,21 @@ def _points(value: float) -> str:
     return f"{value + 0.0:+.2f} pts"  # + 0.0 turns -0.0 into 0.0 so no change reads "+0.00"
 
 
+def _perplexity(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _kl(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _rise(fp32: float | None, quantized: float | None) -> str:
+    """A perplexity's change as a percent of FP32's: what --max-drop counts for perplexity."""
+    if fp32 is None or quantized is None:
+        return ""
+    return f"{perplexity_rise(fp32, quantized) + 0.0:+.2f}%"
+
+
 def _shown_rows(out: OutputResult, result: EvalResult) -> tuple[str, ...]:
     """The output's rows; a hand-built result without them shows every metric it has."""
     if out.rows is not None:
@@ -55,22 +70,35 @@ def _shown_rows(out: OutputResult, result: EvalResult) -> tuple[str, ...]:
     return ("accuracy", "top1", "sqnr", "cosine") if labelled else ("top1", "sqnr", "cosine")
 
 
+def _fused(out: OutputResult, show) -> str:
+    """A fused cell: `show(metrics)`, or n/a where the model has no fused variant."""
+    return "n/a" if out.fused is None else show(out.fused)
+
+
 def render_table(result: EvalResult) -> Table:
     """The human summary: a row per output and metric, fused and unfused side by side.
 
     Fidelity metrics compare quantized to FP32, so their FP32 cell is '-'. The gated output's
-    rows are bold and its name is starred; "change" is the fused model's (what deploys).
+    rows are bold and its name is starred; "change" is the judged model's: fused (what
+    deploys), or unfused for a model that has no fused CPU variant (float8), said in the title.
     """
-    table = Table(
-        title=f"FP32 vs quantized ({result.samples} samples; fused = as ONNX Runtime runs it, "
+    judged = result.judged_variant
+    title = (
+        f"FP32 vs quantized ({result.samples} samples; fused = as ONNX Runtime runs it, "
         "unfused = QDQ semantics)"
     )
+    if result.unfused_only is not None:
+        title = (
+            f"FP32 vs quantized ({result.samples} samples; unfused = QDQ semantics, as ONNX "
+            "Runtime's CPU provider runs float8; no fused variant)"
+        )
+    table = Table(title=title)
     table.add_column("output")
     table.add_column("metric")
     table.add_column("FP32", justify="right")
     table.add_column("fused", justify="right")
     table.add_column("unfused", justify="right")
-    table.add_column("change (fused)", justify="right")
+    table.add_column(f"change ({judged})", justify="right")
 
     for out in result.outputs:
         gated = out.name == result.output and len(result.outputs) > 1
@@ -79,27 +107,47 @@ def render_table(result: EvalResult) -> Table:
         rows = _shown_rows(out, result)
         labelled = out.name == result.output and result.has_labels
         if "accuracy" in rows and labelled:
-            change = (out.fused.accuracy - out.fp32_accuracy) * 100.0
+            change = (out.judged.accuracy - out.fp32_accuracy) * 100.0
             table.add_row(
                 label,
                 "accuracy",
                 _pct(out.fp32_accuracy),
-                _pct(out.fused.accuracy),
+                _fused(out, lambda m: _pct(m.accuracy)),
                 _pct(out.unfused.accuracy),
                 _points(change),
                 style=style,
             )
+        if "perplexity" in rows and out.scores_tokens:
+            table.add_row(
+                label,
+                "perplexity",
+                _perplexity(out.fp32_perplexity),
+                _perplexity(out.fused.perplexity),
+                _perplexity(out.unfused.perplexity),
+                _rise(out.fp32_perplexity, out.fused.perplexity),
+                style=style,
+            )
         if "top1" in rows:
             agreement_change = ""
-            if out.fused.agreement is not None and not labelled:
-                agreement_change = _points(-(1.0 - out.fused.agreement) * 100.0)
+            if out.judged.agreement is not None and not labelled:
+                agreement_change = _points(-(1.0 - out.judged.agreement) * 100.0)
             table.add_row(
                 label,
                 "top-1 agreement",
                 "-",
-                _pct(out.fused.agreement),
+                _fused(out, lambda m: _pct(m.agreement)),
                 _pct(out.unfused.agreement),
                 agreement_change,
+                style=style,
+            )
+        if "kl" in rows and out.scores_tokens:
+            table.add_row(
+                label,
+                "KL nats/token",
+                "-",
+                _kl(out.fused.kl),
+                _kl(out.unfused.kl),
+                "",
                 style=style,
             )
         if "sqnr" in rows:
@@ -107,7 +155,7 @@ def render_table(result: EvalResult) -> Table:
                 label,
                 "SQNR dB",
                 "-",
-                format_db(out.fused.sqnr_db),
+                _fused(out, lambda m: format_db(m.sqnr_db)),
                 format_db(out.unfused.sqnr_db),
                 "",
                 style=style,
@@ -117,19 +165,19 @@ def render_table(result: EvalResult) -> Table:
                 label,
                 "cosine",
                 "-",
-                f"{out.fused.cosine:.5f}",
+                _fused(out, lambda m: f"{m.cosine:.5f}"),
                 f"{out.unfused.cosine:.5f}",
                 "",
                 style=style,
             )
     batch = "" if result.latency_batch == 1 else f" (batch {result.latency_batch})"
+    fused_only = result.unfused_only is None
     for label, ref, q in (
         ("latency median", result.fp32.latency_ms_median, result.quant.latency_ms_median),
         ("latency p90", result.fp32.latency_ms_p90, result.quant.latency_ms_p90),
     ):
-        table.add_row(
-            "", f"{label}{batch}", _ms(ref), _ms(q), "-", _compare(ref, q, "faster", "slower")
-        )
+        cells = (_ms(q), "-") if fused_only else ("n/a", _ms(q))
+        table.add_row("", f"{label}{batch}", _ms(ref), *cells, _compare(ref, q, "faster", "slower"))
     table.add_row(
         "",
         "file size",
@@ -143,6 +191,16 @@ def render_table(result: EvalResult) -> Table:
     return table
 
 
+def unfused_only_notes(result: EvalResult) -> list[str]:
+    """Why there is no fused column, and how a file the CPU cannot run was measured."""
+    notes = []
+    if result.unfused_only is not None:
+        notes.append(f"no fused variant: {result.unfused_only}")
+    if result.emulated is not None:
+        notes.append(f"emulated: {result.emulated}")
+    return notes
+
+
 def kind_notes(result: EvalResult) -> list[str]:
     """Why each output got its rows, so a missing top-1 row is never a mystery."""
     notes = []
@@ -150,6 +208,8 @@ def kind_notes(result: EvalResult) -> list[str]:
         if out.kind is None:
             continue
         what = "class scores" if out.kind == CLASS_SCORES else "dense values"
+        if out.scores_tokens:
+            what = f"next-token scores, {out.tokens} predicted tokens"
         hint = "" if out.kind == CLASS_SCORES else "; --rows top1 adds top-1 agreement"
         notes.append(f"output {out.name!r}: {what} ({out.kind_evidence}){hint}")
     return notes

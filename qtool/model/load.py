@@ -80,8 +80,44 @@ def load_model(
         model = export_pytorch(spec, inputs)
         source = spec.pytorch or "pytorch model"
     check_inputs(model, inputs, source)
+    check_defined(model, source)
     fit_ir_version(model, source)
     return model
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return (
+        f"node {node.name!r} ({node.op_type})" if node.name else f"node #{index} ({node.op_type})"
+    )
+
+
+def check_defined(model: onnx.ModelProto, source: str) -> None:
+    """Refuse a graph where a node reads, or the graph outputs, a tensor that nothing defines
+    (no graph input, initializer or node output), naming the node and the tensor.
+
+    Without this check such a tensor surfaced far from its cause: as an element type shape
+    inference "cannot infer" for the reading node's output, or as no node being quantizable.
+    Subgraphs (If, Loop) may read their outer graph's tensors and are left to ONNX Runtime."""
+    graph = model.graph
+    defined = {""}  # an empty name is an omitted optional input
+    defined.update(value.name for value in graph.input)
+    defined.update(tensor.name for tensor in graph.initializer)
+    defined.update(sparse.values.name for sparse in graph.sparse_initializer)
+    for node in graph.node:
+        defined.update(node.output)
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            if name not in defined:
+                raise ModelError(
+                    f"{source}: {_node_label(node, index)} reads tensor {name!r}, which no "
+                    "node, initializer or graph input defines"
+                )
+    for value in graph.output:
+        if value.name not in defined:
+            raise ModelError(
+                f"{source}: graph output {value.name!r} is not defined by any node, initializer "
+                "or graph input"
+            )
 
 
 def load_onnx(path: Path, digest: hashlib._Hash | None = None) -> onnx.ModelProto:

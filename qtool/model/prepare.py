@@ -129,7 +129,7 @@ def _default_opset(model: onnx.ModelProto) -> int:
     for o in model.opset_import:
         if o.domain in ("", "ai.onnx"):
             return o.version
-    raise ModelError(f"model {model.graph.name!r} imports no ai.onnx opset")
+    raise ModelError("the model imports no ai.onnx opset")
 
 
 def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
@@ -147,14 +147,11 @@ def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
         attach_tensors(model.graph, detached)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise ModelError(
-            f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}: "
-            f"{reason}"
+            f"cannot upgrade the model from opset {current} to {min_opset}: {reason}"
         ) from exc
     attach_tensors(converted.graph, detached)
     if _default_opset(converted) < min_opset:
-        raise ModelError(
-            f"cannot upgrade model {model.graph.name!r} from opset {current} to {min_opset}"
-        )
+        raise ModelError(f"cannot upgrade the model from opset {current} to {min_opset}")
     model.CopyFrom(converted)
 
 
@@ -285,6 +282,13 @@ def _check_types_known(model: onnx.ModelProto) -> None:
     for node in model.graph.node:
         for out in node.output:
             if out and out not in known:
+                if not onnx.defs.has(node.op_type, node.domain):
+                    domain = node.domain or "ai.onnx"
+                    raise ModelError(
+                        f"node {node.name!r} is {node.op_type} of domain {domain!r}, an operator "
+                        f"ONNX does not define: the element type of its output {out!r} is "
+                        "unknown (declare it in the model's value_info)"
+                    )
                 raise ModelError(
                     f"element type of tensor {out!r} (output of node {node.name!r}, "
                     f"{node.op_type}) cannot be inferred"

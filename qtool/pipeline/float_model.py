@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 
 from qtool.data.spec import InputSpec
+from qtool.errors import ModelError
 from qtool.io import Staged, stage
 from qtool.model import external_data, provenance
 from qtool.model.load import load_model
@@ -102,13 +103,17 @@ def load_prepared(
     onnx_digest = hashlib.sha256()
     loaded = load_model(spec, inputs, onnx_digest)
     source = source_sha256(spec, onnx_digest)
-    return prepare_in_place(loaded, min_opset), source
+    return prepare_in_place(loaded, min_opset, str(spec.onnx or spec.pytorch)), source
 
 
-def prepare_in_place(model: onnx.ModelProto, min_opset: int = 17) -> onnx.ModelProto:
-    """prepare_model without a copy: a model over 2 GB must not be held twice."""
+def prepare_in_place(model: onnx.ModelProto, min_opset: int, where: str) -> onnx.ModelProto:
+    """prepare_model without a copy: a model over 2 GB must not be held twice. Its errors name
+    `where` the model came from (the ONNX file, the PyTorch factory), not the graph's own name."""
     with phase("preparing graph"):
-        return prepare_model(model, min_opset=min_opset, copy=False)
+        try:
+            return prepare_model(model, min_opset=min_opset, copy=False)
+        except ModelError as exc:
+            raise ModelError(f"{where}: {exc}") from None
 
 
 def freeze(model: onnx.ModelProto, float_path: Path, source: str) -> FloatModel:

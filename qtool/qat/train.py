@@ -33,6 +33,7 @@ from qtool.distributed import Group
 from qtool.errors import DataError, ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.model.load import load_entry_point
+from qtool.progress import bars
 
 CHECKPOINT_DIR = "qat"
 
@@ -292,7 +293,7 @@ def train(
     torchrun, `group`'s ranks split each global batch of batch_size x W rows (see top) on their
     CUDA device under NCCL; in one process `device` ("cuda") trains there instead of the CPU.
     The model is back on the CPU when this returns."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
     group = group or Group()
     if len(data) == 0:
@@ -311,12 +312,13 @@ def train(
     global_batch = batch_size * group.world
     steps = -(-len(data) // global_batch)
     with (
-        Progress(
+        bars(
+            progress and group.primary,
             TextColumn("[bold]qat[/] epoch {task.fields[epoch]}/{task.fields[epochs]}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
-            disable=not (progress and group.primary),
+            line="qat epoch {epoch}/{epochs}: {count} steps, loss {loss}",
             transient=False,
         ) as bar,
     ):

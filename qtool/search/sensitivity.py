@@ -23,14 +23,13 @@ from pathlib import Path
 
 import onnx
 import onnxruntime
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool import __version__
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.data.batches import Batch
-from qtool.errors import CalibrationError, RecipeError
+from qtool.errors import CalibrationError, ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.model import provenance
 from qtool.model.opset21 import TARGET_OPSET
@@ -40,7 +39,9 @@ from qtool.pipeline.requests import requests_for
 from qtool.pipeline.statistics import collect_statistics
 from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
+from qtool.progress import bars
 from qtool.search.cache import AnalysisCache, cache_key
+from qtool.search.candidates import model_candidates, offered
 from qtool.search.layers import layer_sqnr
 from qtool.search.result import (
     CANDIDATES,
@@ -102,7 +103,8 @@ def _candidates(
             )
         return tuple(requested)
     if job.build.quantization.target == "tensorrt":
-        return ("int8",)
+        chosen = model_candidates(None, "tensorrt", opset, job.where, notes)
+        return tuple(p for p in chosen if p != "float")
     if opset < TARGET_OPSET:
         notes.append(
             f"int4 not analysed: {job.where} prepares opset {opset}, 4-bit weights need "
@@ -122,7 +124,10 @@ class _Variant:
 
 
 def _variants(
-    units: Sequence[NodeSensitivity], modes: Sequence[str], candidates: Sequence[str]
+    units: Sequence[NodeSensitivity],
+    modes: Sequence[str],
+    candidates: Sequence[str],
+    target: str,
 ) -> list[_Variant]:
     names = [u.name for u in units]
     variants = [_Variant("full", "full", None, None, ())]
@@ -132,6 +137,8 @@ def _variants(
             for precision in candidates:
                 if precision == "int4" and unit.weight is None:
                     continue  # 4-bit is a weight format: nothing to store for this node
+                if not offered(precision, unit.op_type, target):
+                    continue  # no form at that precision on the target (an Add at fp8)
                 only = pin(unit.name, precision, f"analysis ({unit.name} alone {precision})")
                 variants.append(
                     _Variant(
@@ -287,17 +294,15 @@ def _key_inputs(
     }
 
 
-def _progress(enabled: bool) -> Progress:
-    console = Console(stderr=True)
-    return Progress(
+def _progress(enabled: bool):
+    return bars(
+        enabled,
         TextColumn("analysing"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-        disable=not enabled or not console.is_terminal,
+        line="analysing: {count} measurements ({description})",
     )
 
 
@@ -324,6 +329,11 @@ def analyze(
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
     check_request(job, samples, metric)
+    if prepared.model.staged is not None:  # the scorer's float session needs the model's bytes
+        raise ModelError(
+            f"{job.where}: sensitivity analysis does not support models stored as external data "
+            "(over 2 GB) yet"
+        )
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
@@ -337,7 +347,7 @@ def analyze(
             "variants: their numbers are for the plan without them"
         )
     units = _units(prepared)
-    variants = _variants(units, modes, chosen)
+    variants = _variants(units, modes, chosen, job.build.quantization.target)
 
     # Every variant is planned before any statistics are read (milliseconds each), so a
     # calibration run, when one is needed, covers all of them at once.
@@ -358,7 +368,14 @@ def analyze(
     layer_needed = "layer" in modes and cache.layer is None
     scorer: Scorer | None = None
     if todo or layer_needed or not cache.header:
-        scorer = Scorer(prepared.model.serialized, batches, job.evaluation, metric, threads)
+        scorer = Scorer(
+            prepared.model.serialized,
+            batches,
+            job.evaluation,
+            metric,
+            threads,
+            fused=job.build.quantization.target == "ort-cpu",
+        )
         cache.header = {
             "metric": dataclasses.asdict(scorer.metric),
             "float_value": json_number(scorer.float_value),
@@ -388,7 +405,12 @@ def analyze(
                 score = scorer.score(model.SerializeToString())
                 seconds = round(time.perf_counter() - start, 4)  # as the cache stores it
                 measured = Measurement(
-                    score.value, score.penalty, score.sqnr_db, score.cosine, seconds
+                    score.value,
+                    score.penalty,
+                    score.sqnr_db,
+                    score.cosine,
+                    seconds,
+                    margin_noise=score.margin_noise,
                 )
             cache.variants[variant.id] = measured
             if on_variant is not None:
