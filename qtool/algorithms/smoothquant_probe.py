@@ -145,6 +145,8 @@ def score_groups(
     batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
 ) -> dict[str, GroupScore]:
     """Every twin's errors on the tuning rows `batches()`, from one pass of its probe model."""
+    if not twins:  # nothing to score (a run of ORT asked for no outputs would return them all)
+        return {}
     probe, measures = probe_model(model, twins, blocks)
     tensors = list(dict.fromkeys(t for m in measures for t in m[2:]))
     session = session_with_outputs(probe, tensors, optimize=False)

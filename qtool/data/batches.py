@@ -40,6 +40,10 @@ class Batch:
     def __len__(self) -> int:
         return len(next(iter(self.inputs.values())))
 
+    def rows(self, start: int, stop: int) -> Batch:
+        """Samples start..stop of this batch (views, labels with them)."""
+        return _slice(self, start, stop)
+
 
 def iter_batches(
     spec: DataSpec,

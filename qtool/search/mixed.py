@@ -136,6 +136,29 @@ def _evaluation_batches(job: Job) -> list[Batch]:
     return batches
 
 
+def split_rows(batches: Sequence[Batch], samples: int, where: str) -> tuple[int, list[Batch]]:
+    """The analysis rows' count and the verification rows: the analysis measures each node's
+    penalty on the first `samples` evaluation samples (at most half of them), and plans are
+    verified on the samples after those, so the loop that promotes nodes is judged on rows the
+    penalties were not measured on (a plan fitted to the analysis rows' noise would pass there
+    and nowhere else)."""
+    total = sum(len(b) for b in batches)
+    if total < 2:
+        raise DataError(
+            f"{where}: mixed precision needs at least 2 evaluation samples (analysis rows and "
+            f"verification rows are disjoint), got {total}"
+        )
+    analysis = min(samples, total // 2)
+    rest, skip = [], analysis
+    for batch in batches:
+        if skip >= len(batch):
+            skip -= len(batch)
+            continue
+        rest.append(batch.rows(skip, len(batch)) if skip else batch)
+        skip = 0
+    return analysis, rest
+
+
 def _statistics(prepared: Prepared, job: Job, stats_path: Path) -> Statistics:
     """The statistics the analysis used (it calibrated them when there were none), and the
     per-channel statistics beside them that SmoothQuant reads."""
@@ -395,7 +418,9 @@ def search(
     explicit = spec.candidates is not None
     target = job.build.quantization.target
     candidates = model_candidates(spec, target, _opset(float_model.model), job.where, notes)
-    batches = _evaluation_batches(job)
+    analysis_rows, batches = split_rows(
+        _evaluation_batches(job), spec.samples, job.evaluation_data.spec.where
+    )
     labelled = batches[0].labels is not None
     budget = resolve_budget(spec, job.evaluation, labelled, job.where)
     # Passed to analyze only where it differs from the gate analyze picks by itself, so that a
@@ -408,7 +433,7 @@ def search(
         stats_path=stats_path,
         modes=ANALYSIS_MODES,
         candidates=tuple(p for p in candidates if p != "float"),
-        samples=spec.samples,
+        samples=analysis_rows,
         metric=requested,
         progress=progress,
     )
@@ -438,7 +463,8 @@ def search(
     start, action = _start(problem, scale, notes)
     console.print(
         f"mixed precision: minimise {spec.objective} within {budget.describe()}; float "
-        f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples",
+        f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples "
+        f"(verification rows: those after the {analysis_rows} the analysis measured)",
         highlight=False,
         markup=False,
     )
@@ -545,7 +571,8 @@ def search(
     comments = [
         f"qtool mixed precision of {job.where}: {heading} ({budget.describe()}).",
         f"measured {scorer.metric.name} {chosen.measured.value:.6g} (float "
-        f"{scorer.float_value:.6g}) on {scorer.samples} evaluation samples.",
+        f"{scorer.float_value:.6g}) on {scorer.samples} evaluation samples (after the "
+        f"{analysis_rows} the analysis measured).",
     ]
     text = plan_yaml(float_model.model, quantization, chosen_built.layout.plan, comments)
     block = mixed_block(
