@@ -12,6 +12,9 @@ rows from OTHER sources, so a choice that fits the calibration source is not rew
   float torch model (its keys/values are the past the ONNX decode step is fed), the NEW are the
   step's input ids. Calibration windows from sentences.txt, held-out windows from the held-out
   texts above.
+- tuning (`*_tuning`, for the rows whose recipe names a `tuning.data`): fortunes sentences
+  (heldout_texts.py) for MiniLM and the decoder, eight more scikit-image pictures for Swin:
+  neither the calibration source nor any held-out one.
 
 Recipes name the calibration functions (`python: heldout_data.py:minilm_calibration`); qtool
 loads this file by path, so it puts the repository on sys.path itself.
@@ -32,7 +35,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import heldout_models as models  # noqa: E402
-from benchmarks.heldout_texts import heldout_sentences  # noqa: E402
+from benchmarks.heldout_texts import heldout_sentences, tuning_sentences  # noqa: E402
 
 BATCH = 32
 MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(1, 3, 1, 1)
@@ -75,6 +78,11 @@ def minilm_calibration() -> Iterator[dict[str, np.ndarray]]:
     return _batched(minilm_tokens(_minilm_data().load_sentences()))
 
 
+def minilm_tuning() -> Iterator[dict[str, np.ndarray]]:
+    """The separate tuning rows (`tuning.data`): 128 fortunes sentences, tokenized."""
+    return _batched(minilm_tokens(tuning_sentences()))
+
+
 def minilm_heldout() -> dict[str, dict[str, np.ndarray]]:
     """Source name -> its held-out sentences tokenized."""
     return {name: minilm_tokens(s) for name, s in heldout_sentences().items()}
@@ -109,6 +117,24 @@ def _crops(images: tuple[tuple[str, str], ...]) -> np.ndarray:
 
 def swin_calibration() -> Iterator[dict[str, np.ndarray]]:
     return _batched({"pixel_values": _crops(_effnet_data().CALIBRATION_IMAGES)})
+
+
+# The separate tuning rows of the Swin case: eight more scikit-image pictures, in neither the
+# calibration nor the evaluation set of examples/effnet_lite (several gray, all as RGB).
+TUNING_IMAGES = (
+    ("skimage", "camera.png"),
+    ("skimage", "coins.png"),
+    ("skimage", "horse.png"),
+    ("skimage", "microaneurysms.png"),
+    ("skimage", "cell.png"),
+    ("skimage", "chessboard_RGB.png"),
+    ("skimage", "page.png"),
+    ("skimage", "moon.png"),
+)
+
+
+def swin_tuning() -> Iterator[dict[str, np.ndarray]]:
+    return _batched({"pixel_values": _crops(TUNING_IMAGES)})
 
 
 def swin_heldout() -> dict[str, dict[str, np.ndarray]]:
@@ -156,6 +182,11 @@ def decoder_feeds(windows: np.ndarray) -> dict[str, np.ndarray]:
 def decoder_calibration() -> Iterator[dict[str, np.ndarray]]:
     text = "\n".join(_minilm_data().load_sentences())
     return _batched(decoder_feeds(_windows(text, DECODER_WINDOWS)))
+
+
+def decoder_tuning() -> Iterator[dict[str, np.ndarray]]:
+    """Windows of the fortunes (the separate tuning rows)."""
+    return _batched(decoder_feeds(_windows(" ".join(tuning_sentences()), DECODER_WINDOWS // 2)))
 
 
 def decoder_heldout() -> dict[str, dict[str, np.ndarray]]:

@@ -10,6 +10,11 @@ machine with the same packages:
 - `sklearn-descr`: scikit-learn's dataset descriptions (`sklearn/datasets/descr/*.rst`:
   scientific prose about measurements, species, census data).
 
+A fourth source, `fortunes` (Debian's `fortunes` package under /usr/share/games/fortunes:
+quotations, jokes, poems), is no held-out source: it is the separate `tuning.data` of the rows
+that name one (`tuning_sentences`), so that a tool's choices are scored on a domain that is
+neither the calibration text nor any text the figures are reported on.
+
 Each source is cut into sentences (whitespace collapsed, split after . ! ?), filtered to prose
 (40-400 characters, at least 6 words, mostly letters, no reStructuredText markup lines),
 deduplicated in order, and `per_source` sentences are taken evenly spread over the source. A
@@ -25,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LICENSES = Path("/usr/share/common-licenses")
+FORTUNES = Path("/usr/share/games/fortunes")
 # Standard-library modules whose docstrings are read (pure-Python files present in every
 # CPython 3.11+ install); order fixed so the set never depends on the file system's.
 STDLIB_MODULES = (
@@ -104,6 +110,22 @@ def sklearn_descr() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in files]
 
 
+def fortunes() -> list[str]:
+    """Every fortune file's text (the `%` separators become paragraph breaks), in name order."""
+    if not FORTUNES.is_dir():
+        raise FileNotFoundError(f"fortunes: {FORTUNES} not found (apt-get install fortunes)")
+    files = sorted(
+        p for p in FORTUNES.iterdir() if p.is_file() and not p.is_symlink() and not p.suffix
+    )
+    if not files:
+        raise FileNotFoundError(f"fortunes: no fortune file under {FORTUNES}")
+    texts = []
+    for path in files:
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(re.sub(r"^%$", "", raw, flags=re.M))
+    return texts
+
+
 def _prose_lines(text: str) -> str:
     """The text without reStructuredText markup lines (titles' underlines, tables, fields,
     directives, literal blocks' markers) that would glue into non-sentences."""
@@ -132,7 +154,12 @@ def sentences(text: str) -> list[str]:
     return out
 
 
-_READERS = {"python-docs": python_docs, "licenses": licenses, "sklearn-descr": sklearn_descr}
+_READERS = {
+    "python-docs": python_docs,
+    "licenses": licenses,
+    "sklearn-descr": sklearn_descr,
+    "fortunes": fortunes,
+}
 
 
 def source_sentences(source: str, per_source: int) -> list[str]:
@@ -151,3 +178,8 @@ def source_sentences(source: str, per_source: int) -> list[str]:
 def heldout_sentences(per_source: int = 96) -> dict[str, list[str]]:
     """Source name -> its sentences, for every source."""
     return {source: source_sentences(source, per_source) for source in SOURCES}
+
+
+def tuning_sentences(count: int = 128) -> list[str]:
+    """The tuning source's sentences (fortunes), spread evenly over it."""
+    return source_sentences("fortunes", count)
