@@ -216,3 +216,54 @@ def test_ties_keep_the_simpler_model():
     assert choose({RECIPE: same, MINMAX: same}, "agreement") == MINMAX
     better_sqnr = Scores(31.0, 0.99, 1.0, None)
     assert choose({RECIPE: better_sqnr, MINMAX: same}, "agreement") == RECIPE
+
+
+# --------------------------------------------------------------------------- --auto and analyze
+
+
+def _numbered(sizes: tuple[int, ...]) -> list:
+    from qtool.data.batches import Batch
+
+    batches, start = [], 0
+    for size in sizes:
+        ids = np.arange(start, start + size)
+        batches.append(Batch({"x": ids[:, None].astype(np.float32)}, ids))
+        start += size
+    return batches
+
+
+@pytest.mark.parametrize(
+    ("sizes", "samples", "analysis"),
+    [((3, 5), 4, 4), ((3, 5), 3, 3), ((3, 5), 100, 4), ((2,), 1, 1), ((4, 4, 4), 5, 5)],
+)
+def test_auto_verifies_on_the_evaluation_rows_its_analysis_did_not_measure(
+    sizes, samples, analysis
+):
+    from qtool.search.mixed import split_rows
+
+    batches = _numbered(sizes)
+    total = sum(sizes)
+    count, rest = split_rows(batches, samples, "evaluation.data")
+    assert count == analysis  # the first `samples`, at most half of the set
+    rows = np.concatenate([b.inputs["x"][:, 0] for b in rest])
+    labels = np.concatenate([b.labels for b in rest])
+    # The verification rows: exactly the samples after the analysis's, labels with them.
+    assert rows.tolist() == list(range(analysis, total))
+    assert labels.tolist() == list(range(analysis, total))
+
+
+def test_auto_refuses_an_evaluation_set_too_small_to_split():
+    from qtool.errors import DataError
+    from qtool.search.mixed import split_rows
+
+    with pytest.raises(DataError, match="evaluation.data: mixed precision needs at least 2"):
+        split_rows(_numbered((1,)), 128, "evaluation.data")
+
+
+def test_same_source_ignores_the_key_the_data_sits_under(tmp_path):
+    from qtool.data.spec import same_source
+
+    a = DataSpec("calibration.data", npz=tmp_path / "a.npz")
+    assert same_source(a, DataSpec("evaluation.data", npz=tmp_path / "a.npz"))
+    assert not same_source(a, DataSpec("evaluation.data", npz=tmp_path / "b.npz"))
+    assert not same_source(a, DataSpec("evaluation.data", python=f"{tmp_path}/a.py:f"))

@@ -6,7 +6,7 @@ readers (qtool/data/batches.py) and everything downstream read them, never the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
@@ -88,3 +88,9 @@ class DataSpec:
             if getattr(self, kind) is not None:
                 return kind
         return "synthetic"
+
+
+def same_source(a: DataSpec, b: DataSpec) -> bool:
+    """Whether two recipe entries name the same data (whatever key each sits under): then
+    figures scored on one are not held-out from what was fitted on the other."""
+    return replace(a, where="") == replace(b, where="")

@@ -29,6 +29,7 @@ from qtool import __version__
 from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats
 from qtool.data.batches import Batch
+from qtool.data.spec import same_source
 from qtool.errors import CalibrationError, ModelError, RecipeError
 from qtool.io import commit_files
 from qtool.model import provenance
@@ -339,6 +340,11 @@ def analyze(
         raise RecipeError(f"modes: {unknown or modes!r} (choose from {', '.join(MODES)})")
     notes: list[str] = []
     batches = analysis_batches(job, samples)
+    if same_source(job.evaluation_data.spec, job.build.data.spec):
+        notes.append(
+            "evaluation.data is the calibration data: every variant is scored on rows its "
+            "ranges were fitted on, which flatters them; name evaluation data of another source"
+        )
     chosen = _candidates(job, prepared, candidates, notes)
     algorithms = job.build.algorithms.names()
     if algorithms:
