@@ -387,3 +387,24 @@ def test_roles_on_a_model_without_attention_exit_2(tmp_path, cli):
         " ".join(result.output.split())
     )
     assert not (tmp_path / "out" / "model.int8.onnx").exists()
+
+
+def test_analyze_and_auto_take_a_dynamic_recipe(folder, cli):
+    """The analysis compares a dynamic node's float input (its quantization error shows in its
+    output), and the search's size model counts each DynamicQuantizeLinear with its readers;
+    the plan.yaml both write keeps `activations: dynamic`."""
+    recipe = _recipe(folder, "dynamic-analyze", {"activations": "dynamic"})
+    result = cli("analyze", recipe, "--no-progress")
+    assert result.exit_code == 0, result.output
+    out = folder / "out-dynamic-analyze"
+    layers = json.loads((out / "sensitivity.json").read_text())
+    assert "activations: dynamic" in (out / "plan.yaml").read_text()
+    assert "/0/q/MatMul" in json.dumps(layers)
+    auto = _recipe(folder, "dynamic-auto", {"activations": "dynamic"})
+    raw = yaml.safe_load(auto.read_text())
+    raw["mixed_precision"] = {"budget": {"min_cosine": 0.999}, "max_iterations": 2}
+    auto.write_text(yaml.safe_dump(raw))
+    result = cli("quantize", auto, "--no-progress")
+    assert result.exit_code == 0, result.output
+    report = json.loads((folder / "out-dynamic-auto" / "report.json").read_text())
+    assert report["summary"]["dynamic_nodes"] >= 1

@@ -178,6 +178,7 @@ def plan_layout(
         producer = graph.producer.get(tensor)
         if (
             producer is not None
+            and tensor not in dynamic  # a dynamic reader needs the clamp's output itself
             and _folds(producer, graph)
             and not spec.symmetric_activations
             and _clamp_foldable(producer, graph, quantized_nodes)

@@ -130,6 +130,12 @@ def attribute(
             if source.op_type == "QuantizeLinear":  # the pair's second half
                 owners[i] = owner_of(producer[data[0]], seen | {i})
                 return owners[i]
+        if node.op_type == "DynamicQuantizeLinear":  # dynamic int8: the nodes that read it
+            readers = {nodes[r].name for out in node.output for r in consumers.get(out, [])}
+            found = [float_owner(name) for name in sorted(readers) if name in float_nodes]
+            if found:
+                owners[i] = list(dict.fromkeys(found))
+                return owners[i]
         if not data:  # a weight's DequantizeLinear: it belongs to what reads its output
             found: list[Owner] = []
             for out in node.output:
