@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=RESULTS / "dynamic_int8")
     parser.add_argument("--json", type=Path, default=RESULTS / "dynamic_int8.json")
     args = parser.parse_args(argv)
+    args.work = args.work.resolve()  # ORT's quantize_dynamic fails on a relative path
     args.work.mkdir(parents=True, exist_ok=True)
 
     tokens, data = held_out_inputs(args.sentences)

@@ -408,3 +408,62 @@ def test_analyze_and_auto_take_a_dynamic_recipe(folder, cli):
     assert result.exit_code == 0, result.output
     report = json.loads((folder / "out-dynamic-auto" / "report.json").read_text())
     assert report["summary"]["dynamic_nodes"] >= 1
+
+
+class _FusedQkvRope(torch.nn.Module):
+    """One projection split three ways (a fused QKV), rotary embeddings on Q and K (Slice,
+    Neg, Concat, Mul by constant cos/sin tables), K repeated for grouped heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+        angles = torch.arange(TOKENS)[:, None] * torch.arange(DIM // HEADS // 2)[None, :] / 7
+        self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], -1))
+        self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], -1))
+
+    @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        d = DIM // HEADS
+        q, k, v = (p.view(b, t, HEADS, d).transpose(1, 2) for p in self.qkv(x).chunk(3, dim=-1))
+        q = q * self.cos + self._rotate(q) * self.sin
+        k = k * self.cos + self._rotate(k) * self.sin
+        attention = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, dim=-1) @ v
+        return self.out(attention.transpose(1, 2).reshape(b, t, DIM))
+
+
+def test_attention_roles_of_a_fused_qkv_with_rotary_embeddings(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "fused.onnx"
+    torch.onnx.export(
+        _FusedQkvRope().eval(),
+        (torch.randn(1, TOKENS, DIM),),
+        str(path),
+        input_names=["x"],
+        output_names=["y"],
+        opset_version=17,
+        dynamo=False,
+    )
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    roles = attention_roles(model, float_tensors(model))
+    by_role = collections.defaultdict(set)
+    for name, played in roles.items():
+        for role in played:
+            by_role[role].add(name)
+    (qkv,) = by_role["attention-q"]
+    assert by_role["attention-k"] == by_role["attention-v"] == {qkv}
+    assert next(n for n in model.graph.node if n.name == qkv).op_type == "MatMul"
+    assert len(by_role["attention-scores"]) == len(by_role["attention-context"]) == 1
+    # the output projection (a MatMul with a weight too) feeds no attention MatMul
+    constants = {i.name for i in model.graph.initializer}
+    weighted = {
+        n.name
+        for n in model.graph.node
+        if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in constants
+    }
+    assert len(weighted) == 2 and {name for name in weighted if name in roles} == {qkv}
