@@ -273,6 +273,9 @@ def _quantize_node(
     data_inputs = [name for name in node.input if name]
     if rule.weights is not None:
         entry = _entry(rule, spec, chosen.precision, _pair_type(chosen, rule))
+        declined = entry.declines(node, graph) if entry.declines is not None else None
+        if declined is not None:
+            return "unsupported", declined
         slots = rule.weights.slots(node, graph, spec, chosen, entry)
         if isinstance(slots, str):
             return "unsupported", slots

@@ -28,7 +28,8 @@ SOURCES = (
     "default",  # the recipe's op_types select it and nothing stops it
     "excluded",  # quantization.exclude names it
     "override",  # a quantization.overrides entry set it
-    "unsupported",  # qtool cannot quantize it (op type, constant inputs, attributes)
+    "unsupported",  # qtool cannot quantize it (op type, constant inputs, attributes), or the
+    # target's runtime has no kernel worth the form for its shapes (TensorRT's FP8 rules)
     "not-listed",  # a quantizable op type the recipe did not list
     "folded",  # a Relu/Clip folded into the preceding QuantizeLinear
     "passthrough",  # shape/max op that runs on the quantized data of its neighbours

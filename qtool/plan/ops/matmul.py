@@ -28,6 +28,7 @@ from qtool.plan.ops.registry import (
     OrtFusion,
     Weights,
 )
+from qtool.plan.ops.tensorrt_fp8 import gemm_declines_fp8
 from qtool.plan.plan import WeightPlan
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import BiasSlot, WeightSlot
@@ -255,6 +256,7 @@ def _entries(
             f"DQ(fp8 e4m3) -> {op}; weight fp8 per output channel; output not quantized"
             + ("; bias in the float type" if bias else ""),
             (op,),
+            gemm_declines_fp8,
         ),
         **float_type_entries(op, "weight and bias" if bias else "weight"),
     }

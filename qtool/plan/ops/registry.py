@@ -177,6 +177,9 @@ class Entry:
     FP16, FP8 Q/DQ); empty: "float". `int32_bias`: the form stores the bias as int32 behind a
     DequantizeLinear (ORT's QLinearConv/QGemm add it in the accumulator; TensorRT's
     DequantizeLinear takes no int32, so its forms leave the bias in the float type).
+    `declines`: (node, graph) -> why the target's runtime has no kernel worth this form for
+    the node's shapes, so it stays in the float type (TensorRT's FP8 kernels on small Convs
+    and GEMMs, tensorrt_fp8.py), or None; no function: every node takes the form.
     """
 
     written: str
@@ -190,6 +193,7 @@ class Entry:
     block_sizes: tuple[int, ...] | None = None
     unsigned_blocks: str | None = None
     signed_scales: bool = False
+    declines: Callable[[onnx.NodeProto, GraphIndex], str | None] | None = None
 
     def not_fused_reason(self, weight: WeightPlan | None) -> str:
         if self.not_fused is None:
