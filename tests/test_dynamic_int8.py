@@ -467,3 +467,28 @@ def test_attention_roles_of_a_fused_qkv_with_rotary_embeddings(tmp_path):
         if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in constants
     }
     assert len(weighted) == 2 and {name for name in weighted if name in roles} == {qkv}
+
+
+def test_one_node_dynamic_in_a_static_model(folder, dynamic_run, cli):
+    """`activations: dynamic` on one node by name: only that node quantizes its input at run
+    time, its input's range is not requested (no other node reads that tensor), the rest keep
+    their calibrated pairs."""
+    quantization = {
+        "activations": "int8",
+        "overrides": [{"nodes": "/0/f1/MatMul", "activations": "dynamic"}],
+    }
+    recipe = _recipe(folder, "one", quantization)
+    prepared = onnx.load(str(dynamic_run / "model.fp32.onnx"))
+    layout = plan(prepared, load_recipe(recipe).quantization, "minmax", "test")
+    f1_input = next(n for n in prepared.graph.node if n.name == "/0/f1/MatMul").input[0]
+    assert layout.dynamic == [f1_input]
+    ranges = plan_requests(layout).ranges
+    assert f1_input not in ranges and len(ranges) > 10
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.output
+    report = json.loads((folder / "out-one" / "report.json").read_text())
+    assert report["dynamic"]["nodes"] == ["/0/f1/MatMul"]
+    nodes = {n["name"]: n for n in report["nodes"]}
+    assert nodes["/0/f1/MatMul"]["runtime"]["runs_as"] == "DynamicQuantizeMatMul"
+    assert nodes["/0/f2/MatMul"]["activations"] == "int8"
+    assert nodes["/0/f2/MatMul"]["runtime"]["status"] == "fused"
