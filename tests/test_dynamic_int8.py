@@ -492,3 +492,26 @@ def test_one_node_dynamic_in_a_static_model(folder, dynamic_run, cli):
     assert nodes["/0/f1/MatMul"]["runtime"]["runs_as"] == "DynamicQuantizeMatMul"
     assert nodes["/0/f2/MatMul"]["activations"] == "int8"
     assert nodes["/0/f2/MatMul"]["runtime"]["status"] == "fused"
+
+
+def test_qat_refuses_dynamic_activations(digits_dir, tmp_path, cli):
+    """QAT has no fake quantization of run-time ranges: refused up front, naming the key."""
+    recipe = digits_dir / "qat-dynamic.yaml"  # beside the example's model and data
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "base": "recipe.yaml",
+                "quantization": {
+                    "algorithms": [],
+                    "overrides": [{"op_types": ["Gemm"], "activations": "dynamic"}],
+                },
+                "qat": {"epochs": 1},
+                "output": {"dir": str(tmp_path / "out")},
+            }
+        )
+    )
+    result = cli("qat", recipe, "--no-progress")
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "quantization.overrides[0].activations: qtool qat does not train dynamic INT8" in text
+    assert not (tmp_path / "out").exists()
