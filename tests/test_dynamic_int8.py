@@ -346,6 +346,14 @@ def test_dynamic_gemm_with_transposed_weight(tmp_path, cli):
             "quantization.activations: dynamic needs int8 weights",
         ),
         (
+            {"activations": "dynamic", "weights": {"granularity": "block"}},
+            "quantization.weights.granularity: block contradicts activations dynamic",
+        ),
+        (
+            {"activations": "dynamic", "float_type": "fp16"},
+            "quantization.float_type: fp16 contradicts activations dynamic",
+        ),
+        (
             {"overrides": [{"roles": ["attention-x"], "activations": "dynamic"}]},
             "quantization.overrides[0].roles[0]: must be one of attention-q",
         ),

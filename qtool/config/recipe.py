@@ -687,6 +687,12 @@ def _check_dynamic(reader: _Reader, spec: QuantizationSpec) -> None:
                 "block contradicts activations dynamic (MatMulInteger takes per-channel or "
                 "per-tensor weights)",
             )
+        if spec.float_type != "fp32":
+            raise reader.fail(
+                "quantization.float_type",
+                f"{spec.float_type} contradicts activations dynamic at {where} "
+                "(DynamicQuantizeLinear reads FP32 only)",
+            )
 
 
 def _with_precision(
