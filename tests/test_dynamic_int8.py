@@ -523,3 +523,21 @@ def test_qat_refuses_dynamic_activations(digits_dir, tmp_path, cli):
     text = " ".join(result.output.split())
     assert "quantization.overrides[0].activations: qtool qat does not train dynamic INT8" in text
     assert not (tmp_path / "out").exists()
+
+
+def test_a_4bit_node_under_dynamic_activations_is_weight_only(folder, dynamic_run):
+    """Dynamic int8 needs 8-bit weights: a node an override gives 4-bit weights (as the
+    search's int4 candidate does) is weight-only, not left float; the others stay dynamic."""
+    quantization = {
+        "activations": "dynamic",
+        "overrides": [{"nodes": "/0/f1/MatMul", "weights": {"bits": 4}}],
+    }
+    prepared = onnx.load(str(dynamic_run / "model.fp32.onnx"))
+    spec = load_recipe(_recipe(folder, "int4-node", quantization)).quantization
+    layout = plan(prepared, spec, "minmax", "test")
+    f1 = layout.plan["/0/f1/MatMul"]
+    assert (f1.precision, f1.activations) == ("int4", "float")
+    assert "weight-only (dynamic activations need 8-bit weights)" in f1.reason
+    assert layout.plan["/0/f2/MatMul"].activations == "dynamic"
+    f1_input = next(n for n in prepared.graph.node if n.name == f1.name).input[0]
+    assert f1_input not in layout.dynamic  # read by no dynamic node now

@@ -313,11 +313,6 @@ def _no_form(rule: OpRule, spec: QuantizationSpec, chosen: NodeSettings) -> str 
     ORT has dynamic kernels for MatMul/Gemm only), or None. Other precisions every quantizable
     rule has, or the registry's lookup names what is missing."""
     dynamic = chosen.activations == "dynamic" and rule.activation_inputs
-    if dynamic and chosen.precision != "int8":
-        return (
-            f"activations dynamic need int8 weights (MatMulInteger multiplies 8-bit ones), the "
-            f"node's are {chosen.precision}: it stays in the float type"
-        )
     if chosen.precision == "fp8":
         key, what = _key("fp8", "fp8"), "fp8"
     elif dynamic:

@@ -205,5 +205,11 @@ def resolve_node_settings(
             activations = precision
         elif activations is None:
             activations = "float" if precision == "int4" else "int8"
+        elif activations == "dynamic" and precision == "int4":
+            # dynamic int8 multiplies 8-bit weights (MatMulInteger); a node given 4-bit
+            # weights at another level (an override, the search's int4 candidate) is
+            # weight-only, as 4-bit nodes are by default (the recipe refuses both at one level)
+            activations = "float"
+            reason += "; 4-bit weights: weight-only (dynamic activations need 8-bit weights)"
         settings[node.name] = NodeSettings(precision, resolved, activations, source, reason)
     return settings
