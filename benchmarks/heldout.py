@@ -142,6 +142,12 @@ EXTRA_ROWS = {
         "base": "int8-transformer",
         "tuning": {"baseline": "none"},
     },
+    # NNCF's transformer pattern: the attention context MatMul (softmax(scores) V) kept float,
+    # found by its role in the graph (qtool/plan/attention.py), not by its name.
+    "int8-transformer+context-float": {
+        "base": "int8-transformer",
+        "quantization": {"overrides": [{"roles": ["attention-context"], "precision": "float"}]},
+    },
     # The tool's discipline with a tuning set of its own, from a third source (TUNING: the
     # case's `*_tuning` entry point), instead of a split of the calibration source.
     "int8-transformer+tuning-data": {
