@@ -4,8 +4,9 @@ For each example, qtool writes its float model (`model.fp32.onnx`) and quantizes
 
 - FP16: nothing quantized, `quantization.float_type: fp16` (the typing pass and its keep rules);
   ModelOpt: AutoCast `convert_to_mixed_precision(low_precision_type="fp16")`, I/O kept FP32;
-- FP8: the `fp8-tensorrt` settings (FP8 E4M3 Q/DQ on Conv/Gemm/MatMul, FP16 elsewhere) with min-max
-  ranges (amax / 448) and with the MSE search on E4M3's grid; ModelOpt:
+- FP8: the `fp8-tensorrt` settings (FP8 E4M3 Q/DQ on the inputs of the Conv/Gemm/MatMul nodes
+  TensorRT's FP8 kernels take, FP16 elsewhere) with min-max ranges (amax / 448) and with the MSE
+  search on E4M3's grid; ModelOpt:
   `quantize(quantize_mode="fp8")` with its max and entropy calibrations (its FP16 elsewhere),
   from the FP8 run's float model and on the same calibration batches.
 
@@ -14,12 +15,16 @@ evaluation set: FP16 fused and unfused, FP8 unfused only (ORT's CPU provider can
 fused). ModelOpt runs in its own venv (benchmarks/.peers/modelopt, as peers.py builds it).
 
     python -m benchmarks.float_types --examples digits,minilm,effnet_lite
+    # after a change to qtool only: ModelOpt's models from the last run, if made on the same
+    # float-model bytes (else it runs again)
+    python -m benchmarks.float_types --examples effnet_lite --reuse-modelopt
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -48,6 +53,8 @@ RESULTS = REPO / "benchmarks" / "results"
 MODELOPT = Peer("modelopt_float", "ModelOpt", PEERS["modelopt"].packages, needs_torch=True)
 MODELOPT_VENV = "modelopt"
 FP8_OPS = ("Conv", "Gemm", "MatMul")
+# The SHA-256 of the float model a ModelOpt run quantized, beside its output (--reuse-modelopt).
+FROM_FILE = "from_fp32.sha256"
 
 
 def _fp16(spec: QuantizationSpec) -> QuantizationSpec:
@@ -204,27 +211,33 @@ def run_example(example: str, work: Path, args, console: Console) -> list[dict]:
         return rows
     for label, (mode, method, source) in MODELOPT_RUNS.items():
         folder = work / example / label.replace(" ", "_").replace("(", "").replace(")", "")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
         recipe = recipes[source]
         fp32 = float_models[source]
         row = {"example": example, "label": label, "method": method, "from": source}
         try:
-            data = folder / "calibration.npz"
-            batches = calibration_batches(recipe, recipe.calibration.batch_size)
-            save_batches(data, [b.inputs for b in batches])
-            started = time.perf_counter()
-            model, info, _ = run_runner(
-                MODELOPT,
-                python,
-                fp32,
-                data,
-                folder,
-                "cnn" if example != "minilm" else "transformer",
-                args.timeout,
-                extra=("--mode", mode, "--method", method),
-            )
-            row["seconds"] = time.perf_counter() - started
+            earlier = _earlier_run(folder, fp32) if args.reuse_modelopt else None
+            if earlier is not None:
+                model, info = earlier
+                row["seconds"], row["reused"] = info.get("wall_s"), True
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                data = folder / "calibration.npz"
+                batches = calibration_batches(recipe, recipe.calibration.batch_size)
+                save_batches(data, [b.inputs for b in batches])
+                started = time.perf_counter()
+                model, info, _ = run_runner(
+                    MODELOPT,
+                    python,
+                    fp32,
+                    data,
+                    folder,
+                    "cnn" if example != "minilm" else "transformer",
+                    args.timeout,
+                    extra=("--mode", mode, "--method", method),
+                )
+                row["seconds"] = time.perf_counter() - started
+                (folder / FROM_FILE).write_text(_sha256(fp32))
             row["settings"], row["versions"] = info.get("settings"), info.get("versions")
             row.update(_score(fp32, model, recipe, True))
             row["quantized_nodes"] = len(quantized_nodes(model))
@@ -239,6 +252,22 @@ def run_example(example: str, work: Path, args, console: Console) -> list[dict]:
             rows.append(same)
             console.print(_line(same), highlight=False)
     return rows
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _earlier_run(folder: Path, fp32: Path) -> tuple[Path, dict] | None:
+    """ModelOpt's model and result from an earlier run in `folder`, if it succeeded on these
+    very float-model bytes (qtool's export is deterministic), else None (run it again)."""
+    model, result, stamp = folder / "model.quant.onnx", folder / "runner.json", folder / FROM_FILE
+    if not (model.is_file() and result.is_file() and stamp.is_file()):
+        return None
+    if stamp.read_text().strip() != _sha256(fp32):
+        return None
+    info = json.loads(result.read_text())
+    return (model, info) if info.get("status") == "ok" else None
 
 
 def _same_nodes(example: str, base: Recipe, modelopt: Path, work: Path) -> dict:
@@ -321,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--install-timeout", type=float, default=2400.0)
     p.add_argument("--json", type=Path, default=RESULTS / "float_types.json")
     p.add_argument("--work", type=Path, default=RESULTS / "float_types")
+    p.add_argument(
+        "--reuse-modelopt",
+        action="store_true",
+        help="score ModelOpt's models from an earlier run made on the same float-model bytes "
+        "instead of running ModelOpt again (qtool's rows always run)",
+    )
     args = p.parse_args(argv)
     console = Console()
     rows: list[dict] = []
