@@ -86,14 +86,17 @@ SAME_NODES = "qtool fp8 (minmax, ModelOpt's nodes)"
 
 
 def quantized_nodes(path: Path) -> list[str]:
-    """The Conv/Gemm/MatMul nodes of a model whose data input comes from a DequantizeLinear."""
+    """The Conv/Gemm/MatMul nodes of a model whose data input and second input (the weight, or
+    attention's other activation) both come from a DequantizeLinear: a node reading a quantized
+    tensor with a float weight (an FP16 depthwise Conv after a quantized output) does not
+    count."""
     model = onnx.load(str(path), load_external_data=False)
     producer = {out: node for node in model.graph.node for out in node.output}
     found = []
     for node in model.graph.node:
-        if node.op_type in FP8_OPS and node.input:
-            source = producer.get(node.input[0])
-            if source is not None and source.op_type == "DequantizeLinear":
+        if node.op_type in FP8_OPS and len(node.input) > 1:
+            sources = [producer.get(name) for name in node.input[:2]]
+            if all(s is not None and s.op_type == "DequantizeLinear" for s in sources):
                 found.append(node.name)
     return found
 
