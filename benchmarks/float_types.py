@@ -87,18 +87,24 @@ SAME_NODES = "qtool fp8 (minmax, ModelOpt's nodes)"
 
 def quantized_nodes(path: Path) -> list[str]:
     """The Conv/Gemm/MatMul nodes of a model whose data input and second input (the weight, or
-    attention's other activation) both come from a DequantizeLinear: a node reading a quantized
-    tensor with a float weight (an FP16 depthwise Conv after a quantized output) does not
-    count."""
+    attention's other activation) both come from a DequantizeLinear, directly or through the
+    typing pass's Cast to FP16 (a weight whose scale FP16 cannot hold): a node reading a
+    quantized tensor with a float weight (an FP16 depthwise Conv after a quantized output) does
+    not count."""
     model = onnx.load(str(path), load_external_data=False)
     producer = {out: node for node in model.graph.node for out in node.output}
-    found = []
-    for node in model.graph.node:
-        if node.op_type in FP8_OPS and len(node.input) > 1:
-            sources = [producer.get(name) for name in node.input[:2]]
-            if all(s is not None and s.op_type == "DequantizeLinear" for s in sources):
-                found.append(node.name)
-    return found
+
+    def dequantized(name: str) -> bool:
+        source = producer.get(name)
+        if source is not None and source.op_type == "Cast":
+            source = producer.get(source.input[0])
+        return source is not None and source.op_type == "DequantizeLinear"
+
+    return [
+        node.name
+        for node in model.graph.node
+        if node.op_type in FP8_OPS and len(node.input) > 1 and all(map(dequantized, node.input[:2]))
+    ]
 
 
 def _recipe(base: Recipe, label: str, folder: Path) -> Recipe:
