@@ -165,9 +165,12 @@ def _storage_sqnr(fp32: Path, model: Path, recipe: Recipe) -> float | str:
 
 
 def _fp16_limit(example: str, recipe: Recipe, work: Path) -> dict:
-    """FP32's own FP16 rounding limit: every tensor and weight of the float model rounded to
-    FP16, the arithmetic in FP32 (no op kept, no kernel's own rounding): the bar an FP16 file
-    is held to."""
+    """FP32's own FP16 rounding limit: every node of the float model typed FP16 by the typing
+    pass and every FP16 tensor and weight rounded, the arithmetic in FP32 (no kernel's own
+    rounding): the bar an FP16 file is held to. The typing pass's structural keep rules still
+    apply (normalizations and summing reductions stay FP32; with no calibrated ranges the
+    overflow rules cannot), so a qtool FP16 file whose only kept nodes are those lands on it
+    exactly; a limit with nothing kept at all is not what this measures."""
     row = {"example": example, "label": "FP16 rounding limit (storage)", "method": "-"}
     folder = work / example / "fp16_limit"
     folder.mkdir(parents=True, exist_ok=True)
