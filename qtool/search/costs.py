@@ -14,6 +14,8 @@ This module splits a model's bytes exactly that way, so the parts add up to the 
   tensors it produces, and a Relu / Clip folded into its output (present in the float model,
   gone from the quantized one), and a Cast the typing pass put beside it at a float-type
   boundary;
+- a node planned dynamic int8 owns the DynamicQuantizeLinear of its input (shared by the
+  nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger;
 - an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
   DequantizeLinear, their scale and zero point, and the bytes by which unplanned nodes grow when
   they read the slot's longer `..._dequantized` name;
@@ -135,6 +137,12 @@ def attribute(
             if source.op_type == "QuantizeLinear":  # the pair's second half
                 owners[i] = owner_of(producer[data[0]], seen | {i})
                 return owners[i]
+        if node.op_type == "DynamicQuantizeLinear":  # dynamic int8: the nodes that read it
+            readers = {nodes[r].name for out in node.output for r in consumers.get(out, [])}
+            found = [float_owner(name) for name in sorted(readers) if name in float_nodes]
+            if found:
+                owners[i] = list(dict.fromkeys(found))
+                return owners[i]
         if not data:  # a weight's DequantizeLinear: it belongs to what reads its output
             found: list[Owner] = []
             for out in node.output:
@@ -144,6 +152,12 @@ def attribute(
                 raise RuntimeError(f"size model: nothing reads the output of {node.name!r}")
             owners[i] = found
             return found
+        upstream_op = nodes[producer[data[0]]].op_type if data and data[0] in producer else ""
+        if node.op_type == "Cast" and upstream_op == "MatMulInteger":
+            # dynamic int8's Cast of the integer product: the planned node's, written under
+            # its name (write/dynamic.py)
+            owners[i] = owner_of(producer[data[0]], seen | {i})
+            return owners[i]
         if node.op_type == "Cast":
             # The typing pass's Cast at a float-type boundary (beside a node kept FP32, or
             # pinned FP32 next to FP16 ones): it serves the planned nodes on either side of it,
