@@ -87,7 +87,11 @@ class _Writer:
         self.handle.write(array.tobytes())
         tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape)
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.location), ("offset", offset), ("length", array.nbytes)):
+        for key, value in (
+            ("location", self.location),
+            ("offset", offset),
+            ("length", array.nbytes),
+        ):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, str(value)
         self.initializers.append(tensor)
@@ -121,7 +125,6 @@ def write_decoder(
     Inputs `input_ids`, `position_ids` [batch, sequence] int64; output `logits`
     [batch, sequence, vocab]. Opset 17, as torch.onnx's TorchScript exporter writes it."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper
 
     head_dim = hidden // heads
@@ -208,7 +211,7 @@ def write_decoder(
                  f"/{p}/q/Transpose", perm=[0, 2, 1, 3])  # fmt: skip
         q = rope(q, f"{p}/q", cos, sin)
 
-        def heads_of(t: str, tag: str) -> str:
+        def heads_of(t: str, tag: str, p: str = p) -> str:
             t = node("Transpose", [node("Reshape", [t, kv_shape], f"/{p}/{tag}/Reshape")],
                      f"/{p}/{tag}/Transpose", perm=[0, 2, 1, 3])  # fmt: skip
             if tag == "k":
@@ -349,7 +352,9 @@ def cpu_name() -> str:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
     flags = sorted({f for f in ("avx512_vnni", "avx2") if f" {f}" in text})
-    return f"{name or platform.processor()} ({', '.join(flags) or 'no avx2'}), {os.cpu_count()} CPUs"
+    return (
+        f"{name or platform.processor()} ({', '.join(flags) or 'no avx2'}), {os.cpu_count()} CPUs"
+    )
 
 
 def table(rows: list[dict], model_bytes: int) -> str:
