@@ -13,8 +13,9 @@ from qtool.pipeline.requests import requests_for
 from qtool.pipeline.statistics import Statistics, collect_statistics, read_statistics
 
 
-def prepare(recipe: Recipe) -> Prepared:
-    """The recipe's model loaded, prepared, equalized when asked, frozen and planned."""
+def prepare(recipe: Recipe, lazy_weights: bool = False) -> Prepared:
+    """The recipe's model loaded, prepared, equalized when asked, frozen and planned.
+    `lazy_weights`: see pipeline.prepare.prepare (quantize without the search)."""
     return prepare_stage(
         recipe.model,
         recipe.quantization,
@@ -23,6 +24,7 @@ def prepare(recipe: Recipe) -> Prepared:
         recipe.float_model_path,
         str(recipe.path),
         recipe.algorithms.cross_layer_equalization,
+        lazy_weights,
     )
 
 

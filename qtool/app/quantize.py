@@ -41,10 +41,13 @@ def quantize(
     `auto` (or a `mixed_precision:` section) runs the mixed-precision search first: it chooses
     every node's precision, and the model written is the one it verified."""
     distributed.require_single_process("qtool quantize")
-    prepared = prepare(recipe)
+    searching = auto or recipe.mixed_precision is not None
+    # Without the search, a model over 2 GB keeps its weights in the staged float file: each is
+    # read when it is quantized (the search reads the whole float model, many times).
+    prepared = prepare(recipe, lazy_weights=not searching)
     try:
         mixed: MixedOutcome | None = None
-        if auto or recipe.mixed_precision is not None:
+        if searching:
             mixed = search(
                 prepared,
                 settings.job(recipe),
