@@ -15,8 +15,9 @@ from qtool.pipeline.statistics import Statistics, collect_statistics, read_stati
 
 def prepare(recipe: Recipe, lazy_weights: bool = False) -> Prepared:
     """The recipe's model loaded, prepared, equalized when asked, frozen and planned.
-    `lazy_weights`: see pipeline.prepare.prepare (quantize without the search)."""
-    return prepare_stage(
+    `lazy_weights`: see pipeline.prepare.prepare (quantize without the search). A float model
+    over protobuf's limit is an output only when the recipe asks (`output.float_model`)."""
+    prepared = prepare_stage(
         recipe.model,
         recipe.quantization,
         recipe.calibration.method,
@@ -26,6 +27,8 @@ def prepare(recipe: Recipe, lazy_weights: bool = False) -> Prepared:
         recipe.algorithms.cross_layer_equalization,
         lazy_weights,
     )
+    prepared.model.commit_staged = recipe.float_model == "always"
+    return prepared
 
 
 def statistics(

@@ -16,6 +16,7 @@ from qtool.data.source import BatchSource
 from qtool.errors import ModelError, QtoolError
 from qtool.io import Staged
 from qtool.model import external_data, provenance
+from qtool.model.memory import release_freed_memory
 from qtool.ort.float8 import unfused_only_reason
 from qtool.phases import phase
 from qtool.pipeline.build import Built
@@ -151,6 +152,7 @@ def verify_and_report(
     )
     del quantized
     built.model = None
+    release_freed_memory()  # the quantized proto, now in its staged file or bytes
     ort_source = emulation if emulation is not None else source
     finished = None
     try:
@@ -177,8 +179,10 @@ def verify_and_report(
         files = dict(files)
         if staged is not None:  # ship both files: the .onnx alone has no weights
             files["quantized_model_data"] = str(staged.data_path)
-        if float_model.staged is not None:
+        if float_model.staged is not None and float_model.commit_staged:
             files["float_model_data"] = str(float_model.staged.data_path)
+        elif float_model.staged is not None:  # over 2 GB, not asked for: not written
+            files["float_model"] = None
         report = build_report(
             header,
             built.node_inputs,

@@ -40,6 +40,9 @@ class FloatModel:
     # A staged model held with lazy weights (external_data.lazy_file): every large initializer
     # read from the staged file when a stage needs it (the weight being quantized), none held.
     lazy: bool = False
+    # Whether a staged model's files are outputs of the command (`output.float_model: always`);
+    # else they are temporary, removed by `discard` (no 2 GB float copy left in the folder).
+    commit_staged: bool = True
 
     def materialize(self) -> None:
         """Read a lazy model's weights in: for the stages that rewrite or read the whole float
@@ -50,12 +53,13 @@ class FloatModel:
             self.lazy = False
 
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
-        """The float model file(s) to commit at `path` (the path given to `freeze`)."""
+        """The float model file(s) to commit at `path` (the path given to `freeze`); none for a
+        staged model that is not to be kept (`commit_staged`)."""
         if self.staged is None:
             return {path: self.float_file if self.float_file is not None else self.serialized}
         if self.staged.path != path:
             raise ValueError(f"the float model was staged for {self.staged.path}, not {path}")
-        return self.staged.files()
+        return self.staged.files() if self.commit_staged else {}
 
     def release(self, path: Path) -> onnx.ModelProto | None:
         """Hand the ModelProto to the caller and let go of the serialized bytes, staging them as
