@@ -16,11 +16,6 @@ import onnx
 import pytest
 import yaml
 from onnx import numpy_helper
-
-from qtool.errors import RecipeError
-from qtool.model import external_data
-from qtool.model.prepare import prepare_model
-from qtool.pipeline.float_model import FloatModel
 from test_external_data import (
     LIMIT,
     assert_no_temporaries,
@@ -30,6 +25,11 @@ from test_external_data import (
     save_external,
     write_case,
 )
+
+from qtool.errors import RecipeError
+from qtool.model import external_data
+from qtool.model.prepare import prepare_model
+from qtool.pipeline.float_model import FloatModel
 
 
 @pytest.fixture
@@ -94,9 +94,8 @@ def test_lazy_weight_is_read_without_touching_the_proto(tmp_path):
     written = tmp_path / "copy" / "m.onnx"
     written.parent.mkdir()
     external_data.save_model(model, written)
-    np.testing.assert_array_equal(
-        run_ort(written, np.ones((2, 64), np.float32)), run_ort(source, np.ones((2, 64), np.float32))
-    )
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_array_equal(run_ort(written, x), run_ort(source, x))
 
 
 def _quantize(cli, recipe: Path) -> dict[str, bytes]:
@@ -113,6 +112,7 @@ def test_lazy_weights_write_the_same_model(bits, low_limit, cli, tmp_path, monke
     from qtool.app import quantize as quantize_app
 
     models = {}
+    prepare = quantize_app.prepare
     for lazy in (True, False):
         folder = tmp_path / ("lazy" if lazy else "whole")
         folder.mkdir()
@@ -121,7 +121,6 @@ def test_lazy_weights_write_the_same_model(bits, low_limit, cli, tmp_path, monke
             spec = yaml.safe_load(recipe.read_text())
             spec["quantization"] = {"weights": {"bits": 4, "block_size": 32}}
             recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
-        prepare = quantize_app.prepare
         monkeypatch.setattr(
             quantize_app, "prepare", lambda r, lazy_weights, keep=lazy: prepare(r, keep)
         )
@@ -138,7 +137,6 @@ def test_lazy_weights_write_the_same_model(bits, low_limit, cli, tmp_path, monke
     tag = f"model.int{bits}.onnx"
     assert f"{tag}.data" in models[True]
     assert models[True][f"{tag}.data"] == models[False][f"{tag}.data"]
-    # the skeletons differ only in the provenance stamp? no: same float model, same stamp
     assert models[True][tag] == models[False][tag]
 
 

@@ -34,25 +34,3 @@ def release_freed_memory() -> None:
     trim = _trim()
     if trim is not None:
         trim(0)
-
-
-# glibc's mallopt parameter: allocations of at least this many bytes are mmapped (and unmapped
-# when freed). Fixed here, because glibc's default threshold rises with every large block freed
-# (up to 32 MB), after which per-weight buffers and their temporaries land on the heap and stay
-# there as free memory the process never returns.
-_M_MMAP_THRESHOLD = -3
-LARGE_BLOCK = 4 << 20
-
-
-@functools.cache
-def return_large_blocks() -> None:
-    """Have malloc map every block of LARGE_BLOCK bytes or more on its own, so freeing one
-    returns it to the OS (glibc only; process-wide, once)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK)

@@ -15,7 +15,7 @@ from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.spec import CleParams
 from qtool.data.source import BatchSource
-from qtool.model.memory import release_freed_memory, return_large_blocks
+from qtool.model.memory import release_freed_memory
 from qtool.model.spec import ModelSpec
 from qtool.phases import phase
 from qtool.pipeline import planning
@@ -48,7 +48,6 @@ def prepare(
     `lazy_weights`: a model staged as external data keeps its weights in the staged file
     (FloatModel.lazy), read one at a time by the stages that can (quantize without the search);
     else they are read back once the prepared proto is dropped."""
-    return_large_blocks()  # per-weight buffers go back to the OS when freed
     min_opset = planning.min_opset(source.opset, quantization)
     model, source_sha = load_prepared(source, data.inputs, min_opset)
     equalization = _equalize(model, quantization, cle, data) if cle is not None else None
