@@ -23,6 +23,12 @@ CPU s its user + system time):
     python -m benchmarks.llm_memory [--size-gb 2.15] [--runs ort-matmulnbits,qtool-int4,...]
         [--work DIR] [--json out.json]
 
+On an exported model instead (SmolLM2-135M: examples/smollm, one 653 MB file): ORT's quantizer
+on the model, then `qtool quantize` on each recipe given (their own data and settings):
+
+    python -m benchmarks.llm_memory --existing examples/smollm/model/model.onnx \
+        examples/smollm/recipe.yaml examples/smollm/recipe-int8.yaml
+
 Each row prints peak RSS against the FP32 file and against ORT's peak, CPU s against ORT's, and
 what the output folder holds (a float copy of the model, when there is one).
 """
@@ -348,6 +354,42 @@ def run_one(run: str, model: Path, data: Path, work: Path, samples: int, timeout
     return row
 
 
+def run_existing(model: Path, recipes: list[Path], work: Path, timeout: float) -> list[dict]:
+    """ORT's MatMulNBits quantizer on `model`, then `qtool quantize` on each recipe (into the
+    work folder: `-o`), each measured in its own process."""
+    rows = []
+    folder = work / "ort-matmulnbits"
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    (folder / "out").mkdir(parents=True)
+    out = folder / "out" / "model.int4.onnx"
+    cmd = [sys.executable, "-m", "benchmarks.llm_memory", "--ort-child", str(model), str(out)]
+    measured = run_measured(cmd, folder / "run.log", timeout, cwd=REPO)
+    rows.append({"run": "ort-matmulnbits", "cmd": cmd, **measured.to_dict()})
+    rows[-1]["outputs"] = _folder_files(folder / "out")
+    for recipe in recipes:
+        name = f"qtool {recipe.stem}"
+        folder = work / recipe.stem
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+        folder.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "qtool.cli", "quantize", str(recipe), "--no-progress"]
+        cmd += ["-o", str(folder / "out")]
+        measured = run_measured(cmd, folder / "run.log", timeout, cwd=REPO)
+        rows.append({"run": name, "cmd": cmd, **measured.to_dict()})
+        out_dir = folder / "out"
+        rows[-1]["outputs"] = _folder_files(out_dir) if out_dir.is_dir() else {}
+        print(f"{name}: {measured.status}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _model_bytes(model: Path) -> int:
+    import onnx
+
+    from qtool.model.external_data import external_files
+
+    files = [model, *external_files(model, onnx.load(str(model), load_external_data=False))]
+    return sum(f.stat().st_size for f in files)
+
+
 def cpu_name() -> str:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
@@ -392,9 +434,26 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ort-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--existing",
+        nargs="+",
+        type=Path,
+        metavar=("MODEL", "RECIPE"),
+        help="measure on an exported model and these recipes instead of a generated one",
+    )
     args = parser.parse_args()
     if args.ort_child:
         _ort_child(*args.ort_child)
+        return
+    if args.existing:
+        work = args.work or Path(tempfile.mkdtemp(prefix="qtool-llm-memory-"))
+        model, recipes = args.existing[0].resolve(), [r.resolve() for r in args.existing[1:]]
+        rows = run_existing(model, recipes, work, args.timeout)
+        model_bytes = _model_bytes(model)
+        print(f"model: {model} ({model_bytes / 1e9:.2f} GB)\nCPU: {cpu_name()}\n")
+        print(table(rows, model_bytes))
+        result = {"model_bytes": model_bytes, "model": str(model), "cpu": cpu_name(), "rows": rows}
+        (args.json or work / "llm_memory.json").write_text(json.dumps(result, indent=2))
         return
     runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs if r not in RUNS]
