@@ -451,7 +451,7 @@ def test_model_over_2_gib(cli, tmp_path) -> None:
         "inputs": {"x": [1, BIG_N]},
         "calibration": {"data": {"npz": "data.npz"}, "batch_size": 8, "method": "minmax"},
         "evaluation": {"data": {"npz": "data.npz"}, "batch_size": 8},
-        "output": {"dir": "out"},
+        "output": {"dir": "out", "float_model": "always"},  # checked below
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

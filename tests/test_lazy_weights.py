@@ -211,3 +211,20 @@ def test_int4_signed_scales_in_chunks_give_the_same_weights(monkeypatch):
     assert np.array_equal(whole.values, chunked.values)
     assert whole.scale.tobytes() == chunked.scale.tobytes()
     assert (whole.scale < 0).any() and (whole.scale > 0).any()  # both grids were chosen
+
+
+def test_speed_check_skips_a_float_model_over_the_limit(low_limit, cli, tmp_path, monkeypatch):
+    """The FP32 speed session of a float model over 2 GB would hold it again: not run, and
+    report.json and the command's output say so."""
+    from qtool.pipeline import finish
+
+    recipe, _ = write_case(tmp_path, mlp(), float_model="auto")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["quantization"] = {"weights": {"bits": 4, "block_size": 32}}
+    recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
+    monkeypatch.setattr(finish, "SPEED_CHECK_MAX_BYTES", LIMIT)  # the staged model is over it
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["runtime"]["low_bit_speed"] == {"not_measured": finish.SPEED_NOT_MEASURED}
+    assert "not measured: the float model is over 2 GB" in result.stdout
