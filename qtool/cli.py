@@ -326,6 +326,14 @@ def quantize(
             + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
             highlight=False,
         )
+    dynamic = result.report.get("dynamic")
+    if dynamic:
+        kinds = ", ".join(f"{k} {v}" for k, v in dynamic["runs_as"].items())
+        console.print(
+            f"dynamic int8 (inputs quantized at run time, no calibrated range): "
+            f"{len(dynamic['nodes'])} nodes, ORT runs them as {kinds}",
+            highlight=False,
+        )
     ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "
     for group, entry in result.report["low_bit"].items():
         console.print(

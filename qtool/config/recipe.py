@@ -45,12 +45,14 @@ from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
 from qtool.pipeline.outputs import OutputFiles
+from qtool.plan.attention import ATTENTION_ROLES
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
     ACTIVATION_PRECISIONS,
     BLOCK_SIZES,
     DEFAULT_OP_TYPES,
+    DYNAMIC_TARGETS,
     FLOAT_IO,
     FLOAT_TYPES,
     INT4_FORMATS,
@@ -664,7 +666,42 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         float_io=float_io,
     )
     _check_target_precisions(reader, spec)
+    _check_dynamic(reader, spec)
     return spec
+
+
+def _check_dynamic(reader: _Reader, spec: QuantizationSpec) -> None:
+    """Dynamic int8 is ONNX Runtime's form (DynamicQuantizeLinear + MatMulInteger): refused for
+    another target, and where the same level asks for weights MatMulInteger cannot multiply."""
+    levels = [("quantization", spec.activations, spec.precision, spec.weights)]
+    levels += [(o.where, o.activations, o.precision, o.weights) for o in spec.overrides]
+    for where, activations, precision, weights in levels:
+        if activations != "dynamic":
+            continue
+        if spec.target not in DYNAMIC_TARGETS:
+            raise reader.fail(
+                f"{where}.activations",
+                f"dynamic is ONNX Runtime's form (DynamicQuantizeLinear + MatMulInteger); target "
+                f"{spec.target} has none (use {', '.join(DYNAMIC_TARGETS)}, or int8)",
+            )
+        if precision not in (None, "int8") or weights.bits not in (None, 8):
+            asked = precision if precision not in (None, "int8") else f"{weights.bits}-bit weights"
+            raise reader.fail(
+                f"{where}.activations",
+                f"dynamic needs int8 weights (MatMulInteger multiplies 8-bit ones), not {asked}",
+            )
+        if weights.granularity == "block":
+            raise reader.fail(
+                f"{where}.weights.granularity",
+                "block contradicts activations dynamic (MatMulInteger takes per-channel or "
+                "per-tensor weights)",
+            )
+        if spec.float_type != "fp32":
+            raise reader.fail(
+                "quantization.float_type",
+                f"{spec.float_type} contradicts activations dynamic at {where} "
+                "(DynamicQuantizeLinear reads FP32 only)",
+            )
 
 
 def _with_precision(
@@ -803,15 +840,24 @@ def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
 
 
 def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
-    reader.mapping(raw, where, {"nodes", "op_types", "precision", "weights", "activations"})
+    keys = {"nodes", "op_types", "roles", "precision", "weights", "activations"}
+    reader.mapping(raw, where, keys)
     nodes = raw.get("nodes", [])
     nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
     op_types = raw.get("op_types", [])
     op_types = _read_op_types(
         reader, [op_types] if isinstance(op_types, str) else op_types, f"{where}.op_types"
     )
-    if not nodes and not op_types:
-        raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
+    roles = raw.get("roles", [])
+    roles = reader.string_list([roles] if isinstance(roles, str) else roles, f"{where}.roles")
+    for index, role in enumerate(roles):
+        reader.choice(role, f"{where}.roles[{index}]", ATTENTION_ROLES)
+    if not nodes and not op_types and not roles:
+        raise reader.fail(
+            where,
+            "needs `nodes` (name globs), `op_types` or `roles` (attention roles) to say what "
+            "it matches",
+        )
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
     precision = raw.get("precision")
     activations = raw.get("activations")
@@ -828,6 +874,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         where=where,
         nodes=nodes,
         op_types=op_types,
+        roles=roles,
         precision=precision,
         weights=weights,
         activations=None

@@ -57,6 +57,9 @@ class Layout:
     # Weight -> the layer input whose Hessian (XᵀX over calibration) GPTQ needs for it.
     gptq_inputs: dict[str, str] = field(default_factory=dict)
     typed_tensors: list[str] = field(default_factory=list)
+    # Tensors quantized at run time (dynamic int8: one DynamicQuantizeLinear each, shared by the
+    # nodes that read it); they have no range to calibrate, so stats_tensors leaves them out.
+    dynamic: list[str] = field(default_factory=list)
 
     def stats_tensors(self) -> list[str]:
         slots = {slot.stats_tensor for slot in self.activations.values()}
@@ -75,9 +78,10 @@ def _rule_of(node: onnx.NodeProto) -> OpRule | None:
 
 
 def _pair_type(chosen: NodeSettings, rule: OpRule) -> str | None:
-    """The type of the Q/DQ pairs on the node's float inputs, int8 or fp8; None: weight-only
-    (an embedding's indices are integers, so a Gather has none either)."""
-    if chosen.activations in ("int8", "fp8") and rule.activation_inputs:
+    """The type of the Q/DQ pairs on the node's float inputs, int8 or fp8, or "dynamic" (a
+    DynamicQuantizeLinear, no pair); None: weight-only (an embedding's indices are integers,
+    so a Gather has none either)."""
+    if chosen.activations in ("int8", "dynamic", "fp8") and rule.activation_inputs:
         return chosen.activations
     return None
 
@@ -101,9 +105,10 @@ def plan_layout(
 ) -> Layout:
     """Decide every node's precision (the Plan) and the QDQ slots; `model` must be prepared."""
     graph = GraphIndex(model, float_tensors)
-    settings = resolve_node_settings(model, spec, recipe_path)
+    settings = resolve_node_settings(model, spec, recipe_path, float_tensors)
     layout = Layout()
     wanted: list[tuple[str, str]] = []  # (tensor, pair type) to quantize, in discovery order
+    dynamic: dict[str, None] = {}  # tensors quantized at run time, in discovery order
     quantized_nodes: set[str] = set()
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
@@ -141,7 +146,7 @@ def plan_layout(
                 precision,
                 chosen.source,
                 chosen.reason,
-                activation_method=activation_method if pairs is not None else None,
+                activation_method=activation_method if pairs in ("int8", "fp8") else None,
                 weight=None
                 if weight is None
                 else weight_plans.setdefault(
@@ -153,6 +158,9 @@ def plan_layout(
         if weight is not None and layout.plan[node.name].weight.method == "gptq":
             layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
         if pairs is None:
+            continue
+        if pairs == "dynamic":  # no pair, no range: a DynamicQuantizeLinear at run time
+            dynamic.update((n, None) for n in node.input if graph.is_float_activation(n))
             continue
         wanted.extend((name, pairs) for name in node.input if graph.is_float_activation(name))
         if rule.output_quantized:
@@ -170,6 +178,7 @@ def plan_layout(
         producer = graph.producer.get(tensor)
         if (
             producer is not None
+            and tensor not in dynamic  # a dynamic reader needs the clamp's output itself
             and _folds(producer, graph)
             and not spec.symmetric_activations
             and _clamp_foldable(producer, graph, quantized_nodes)
@@ -178,6 +187,7 @@ def plan_layout(
             layout.folded_clamps[producer.name] = tensor
         layout.activations[key] = ActivationSlot(tensor, source, _stats_root(tensor, graph), dtype)
 
+    layout.dynamic = list(dynamic)
     layout.typed_tensors = _typed_tensors(layout.plan, graph, spec)
     _annotate_float_nodes(layout, graph, spec.target)
     return layout
@@ -208,7 +218,7 @@ def _weight_plan(
         method = "mse"
         notes.append("gptq is for MatMul/Gemm weights; this one uses mse")
     pairs = _pair_type(chosen, rule)
-    activations_int8 = pairs == "int8"
+    activations_int8 = pairs in ("int8", "dynamic")  # an integer kernel multiplies the weight
     if chosen.precision == "fp8":
         fmt, symmetric = "e4m3", True
         where = "per output channel" if slot.axis is not None else "per tensor"
@@ -223,7 +233,7 @@ def _weight_plan(
             if slot.block_size is not None
             else granularity
         )
-        role = "weight-only" if not activations_int8 else "with int8 activations"
+        role = "weight-only" if not activations_int8 else f"with {pairs} int8 activations"
         reason = f"int{settings.bits} {'symmetric' if symmetric else 'asymmetric'}, {where}, {role}"
     if notes:
         reason += " (" + "; ".join(notes) + ")"
@@ -263,6 +273,9 @@ def _quantize_node(
     data_inputs = [name for name in node.input if name]
     if rule.weights is not None:
         entry = _entry(rule, spec, chosen.precision, _pair_type(chosen, rule))
+        declined = entry.declines(node, graph) if entry.declines is not None else None
+        if declined is not None:
+            return "unsupported", declined
         slots = rule.weights.slots(node, graph, spec, chosen, entry)
         if isinstance(slots, str):
             return "unsupported", slots
@@ -274,6 +287,8 @@ def _quantize_node(
         has_weight = any(name in layout.weights for name in node.input)
         if not has_weight and chosen.activations == "float":
             return chosen.source, f"{chosen.reason}: activations float and no constant weight"
+        if not has_weight and chosen.activations == "dynamic":
+            return chosen.source, f"{chosen.reason}: {_DYNAMIC_NEEDS_WEIGHT}"
         return rule
     if chosen.activations == "float":
         return chosen.source, f"{chosen.reason}: activations float and no weight to store"
@@ -283,18 +298,33 @@ def _quantize_node(
 
 
 _UNLISTED = "op type not quantized"
+# ORT's dynamic kernels quantize input A at run time against a constant int8 B; ORT's own
+# quantize_dynamic leaves the activation-by-activation MatMuls of attention float too.
+_DYNAMIC_NEEDS_WEIGHT = (
+    "activations dynamic and no constant weight: ORT's dynamic kernels (DynamicQuantizeMatMul, "
+    "MatMulIntegerToFloat) quantize the input at run time against a constant int8 weight, so "
+    "it stays float (as ORT's quantize_dynamic leaves it)"
+)
 
 
 def _no_form(rule: OpRule, spec: QuantizationSpec, chosen: NodeSettings) -> str | None:
-    """Why the rule has no form at the node's fp8 precision on the target (an op with no FP8
-    entry: its activations alone have no FP8 kernel to feed), or None. Other precisions every
-    quantizable rule has, or the registry's lookup names what is missing."""
-    if chosen.precision != "fp8" or (spec.target, _key("fp8", "fp8")) in rule.entries:
+    """Why the rule has no form at the node's fp8 or dynamic precision on the target (an op
+    with no FP8 entry: its activations alone have no FP8 kernel to feed; no dynamic entry:
+    ORT has dynamic kernels for MatMul/Gemm only), or None. Other precisions every quantizable
+    rule has, or the registry's lookup names what is missing."""
+    dynamic = chosen.activations == "dynamic" and rule.activation_inputs
+    if chosen.precision == "fp8":
+        key, what = _key("fp8", "fp8"), "fp8"
+    elif dynamic:
+        key, what = _key("int8", "dynamic"), "dynamic int8"
+    else:
+        return None
+    if (spec.target, key) in rule.entries:
         return None
     have = ", ".join(rule.precisions(spec.target))
     return (
-        f"{rule.op_type} has no fp8 form for target {spec.target} (it has {have}): it stays "
-        f"in the float type"
+        f"{rule.op_type} has no {what} form for target {spec.target} (it has {have}): it "
+        f"stays in the float type"
     )
 
 

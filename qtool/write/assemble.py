@@ -56,12 +56,13 @@ def activation_parameters(
 
 def integer_kernel_weights(layout: Layout) -> set[str]:
     """Weights an integer kernel multiplies with uint8 activations: int8 per channel / tensor
-    on a node whose activations are quantized. Only these can saturate 16-bit pair sums."""
+    on a node whose activations are quantized (static pairs or at run time). Only these can
+    saturate 16-bit pair sums."""
     return {
         node.weight.tensor
         for node in layout.plan
         if node.weight is not None
-        and node.activations == "int8"
+        and node.activations in ("int8", "dynamic")
         and node.weight.bits == 8
         and node.weight.block_size is None
     }
@@ -87,6 +88,8 @@ def weight_parameters(
         if plans[name].format == "e4m3":
             weights[name] = quantize_fp8_weight(array, slot.axis)
         elif name in integer:
+            if slot.transposed:  # a dynamic Gemm's transB weight, stored [K, N] for MatMulInteger
+                array = np.ascontiguousarray(array.T)
             weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
         else:
             hessian = hessians.get(layout.gptq_inputs.get(name, ""))

@@ -24,6 +24,7 @@ from qtool.plan.ops.registry import (
     OrtFusion,
     Weights,
 )
+from qtool.plan.ops.tensorrt_fp8 import conv_declines_fp8
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import BiasSlot, WeightSlot
 
@@ -125,6 +126,7 @@ CONV = OpRule(
             "DQ(fp8 e4m3) -> Conv -> Q(fp8 e4m3); weight fp8 per output channel, bias in the "
             "float type",
             ("Conv",),
+            conv_declines_fp8,
         ),
         **float_type_entries("Conv", "weight and bias"),
     },
