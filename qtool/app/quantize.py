@@ -16,6 +16,7 @@ from qtool.app import settings
 from qtool.app.common import prepare, statistics
 from qtool.config.recipe import Recipe
 from qtool.io import commit_files
+from qtool.model.memory import release_freed_memory
 from qtool.pipeline.build import Built, build_quantized
 from qtool.pipeline.finish import verify_and_report, verify_feeds
 from qtool.pipeline.prepare import Prepared
@@ -58,9 +59,14 @@ def quantize(
             run, built, model_path = mixed.statistics, mixed.built, mixed.model_path
         else:
             run = statistics(recipe, prepared, stats_path, progress)
+            # The build reads the proto, sessions read the file: the bytes are not held too.
+            prepared.model.spill(recipe.float_model_path)
             built = build_quantized(
                 prepared.model, prepared.layout, run, settings.build_settings(recipe), progress
             )
+            # verification runs ORT on the files: the float proto is read no more
+            prepared.model.model = None
+            release_freed_memory()
             model_path = recipe.quant_model_path
         if prepared.equalization is not None:  # first: the order the algorithms ran in
             equalization = {"cross_layer_equalization": prepared.equalization}

@@ -92,10 +92,23 @@ class FloatModel:
 
     def session_source(self) -> bytes | Path:
         """What an ONNX Runtime session loads the float model from: its bytes, or the staged
-        file when its weights live in external data."""
+        file when its weights live in external data or the bytes were let go (`spill`)."""
         if self.staged is not None:
             return self.staged.session_path
+        if self.serialized is None and self.float_file is not None:
+            return self.float_file.path
         return self.serialized
+
+    def spill(self, path: Path) -> None:
+        """Write the serialized float model to its staged file for `path` (the commit renames
+        it into place) and let go of the bytes: the proto is what the build reads, and holding
+        both kept the float model twice through the build and verification (a 653 MB decoder:
+        1.3 GB). Sessions then open the file (`session_source`)."""
+        serialized = self.serialized
+        if self.staged is None and serialized is not None:
+            if self.float_file is None:
+                self.float_file = stage(path, lambda handle: handle.write(serialized))
+            self.serialized = None
 
 
 def source_sha256(spec: ModelSpec, onnx_digest: hashlib._Hash | None = None) -> str:
