@@ -91,6 +91,10 @@ class Recipe:
     qat: QatSpec | None = None
     # `quantization.algorithms` in the file; its own type: no stage below the build needs it
     algorithms: Algorithms = field(default_factory=Algorithms)
+    # `output.float_model`: `auto` writes model.fp32.onnx unless the prepared model is over
+    # protobuf's limit (then its weights live in a temporary file only while the command runs);
+    # `always` writes it (and its .data) whatever its size.
+    float_model: str = "auto"
 
     @property
     def outputs(self) -> OutputFiles:
@@ -120,6 +124,7 @@ class Recipe:
         return self.outputs.report
 
 
+FLOAT_MODEL_CHOICES = ("auto", "always")
 _SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 2, 60, 60, 4, 4
 _SHOW.maxlong = 40
@@ -283,7 +288,10 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
     out = top.get("output", {})
-    reader.mapping(out, "output", {"dir"})
+    reader.mapping(out, "output", {"dir", "float_model"})
+    float_model = reader.choice(
+        out.get("float_model", "auto"), "output.float_model", FLOAT_MODEL_CHOICES
+    )
     if output_dir is not None:
         out_path = Path(output_dir)
         if reader.probe(out_path, "--output-dir", Path.exists) and not out_path.is_dir():
@@ -309,6 +317,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         mixed,
         qat,
         algorithms,
+        float_model,
     )
 
 
