@@ -340,7 +340,9 @@ def quantize(
             f"{ort_words}{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False
         )
     speed = result.report.get("low_bit_speed")
-    if speed:
+    if speed and "not_measured" in speed:
+        console.print(f"speed against FP32: {speed['not_measured']}", highlight=False)
+    elif speed:
         console.print(
             f"measured on {speed['cpu']} (batch {speed['batch']}, {speed['threads']} thread): "
             f"{speed['speedup']:.2f}x FP32's speed, {speed['verdict']}",

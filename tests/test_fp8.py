@@ -261,7 +261,8 @@ def _shapes_model() -> onnx.ModelProto:
 def test_tensorrt_fp8_leaves_nodes_its_fp8_kernels_gain_nothing_on_in_the_float_type() -> None:
     """ModelOpt's TensorRT rules, from the weight shapes: Convs with <= 16 channels in (per
     group) or out, or filters over 32 elements, and GEMMs with K or N under 16 stay FP16, each
-    with the reason; int8 for TensorRT is untouched."""
+    with the reason, and only the FP8 nodes' inputs get FP8 Q/DQ pairs; int8 for TensorRT is
+    untouched."""
     model = onnx.shape_inference.infer_shapes(_shapes_model())
     floats = {n for n, (elem, _) in tensor_types(model).items() if elem == TensorProto.FLOAT}
     spec = QuantizationSpec(
@@ -270,13 +271,17 @@ def test_tensorrt_fp8_leaves_nodes_its_fp8_kernels_gain_nothing_on_in_the_float_
         precision="fp8",
         float_type="fp16",
     )
-    plan = plan_layout(model, spec, floats).plan
+    layout = plan_layout(model, spec, floats)
+    plan = layout.plan
     fp8 = {n.name for n in plan if n.precision == "fp8"}
     assert fp8 == {"mid", "five", "fc"}
+    # Q/DQ on the inputs of the FP8 nodes only (TensorRT's placement): not on mid's output,
+    # which only the FP16 depthwise Conv reads, nor on five's, which the pool reads
+    assert {slot.tensor for slot in layout.activations.values()} == {"a", "d", "f"}
     reasons = {n.name: (n.precision, n.source, n.reason) for n in plan}
     for name, words in [
-        ("first", "3 input channels per group, 32 output channels, <= 16"),
-        ("depthwise", "depthwise, 1 input channels per group"),
+        ("first", "Conv with C_in = 3 per group, C_out = 32; one <= 16"),
+        ("depthwise", "depthwise Conv with C_in = 1 per group, C_out = 32"),
         ("big7x7", "Conv filter 7x7 = 49 elements, > 32"),
         ("head", "MatMul with K = 64, N = 10; under 16"),
     ]:
@@ -294,5 +299,7 @@ def test_tensorrt_fp8_leaves_nodes_its_fp8_kernels_gain_nothing_on_in_the_float_
     assert plan_layout(model, pinned, floats).plan["first"].precision == "fp16"
     # int8 for TensorRT keeps every weighted node quantized: the rules are FP8's
     int8 = dataclasses.replace(spec, precision=None)
-    quantized = {n.name for n in plan_layout(model, int8, floats).plan if n.precision == "int8"}
+    int8_layout = plan_layout(model, int8, floats)
+    quantized = {n.name for n in int8_layout.plan if n.precision == "int8"}
     assert {"first", "mid", "depthwise", "big7x7", "five", "fc", "head"} <= quantized
+    assert "e" in {slot.tensor for slot in int8_layout.activations.values()}  # a Conv output

@@ -117,6 +117,8 @@ def _prepare(recipe: Recipe, net) -> Prepared:
     model = prepare_in_place(loaded, min_opset, str(recipe.model.pytorch))
     del loaded
     frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model))
+    del model
+    frozen.materialize()  # training reads every weight (a staged model comes back lazy)
     layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)
     for node in layout.plan:
         if node.weight is not None and node.weight.method == "gptq":

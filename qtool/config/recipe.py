@@ -94,6 +94,10 @@ class Recipe:
     algorithms: Algorithms = field(default_factory=Algorithms)
     # `tuning:`: the rows data-driven choices are scored on (qtool/pipeline/tuning.py)
     tuning: TuningSpec = field(default_factory=TuningSpec)
+    # `output.float_model`: `auto` writes model.fp32.onnx unless the prepared model is over
+    # protobuf's limit (then its weights live in a temporary file only while the command runs);
+    # `always` writes it (and its .data) whatever its size.
+    float_model: str = "auto"
 
     @property
     def outputs(self) -> OutputFiles:
@@ -123,6 +127,7 @@ class Recipe:
         return self.outputs.report
 
 
+FLOAT_MODEL_CHOICES = ("auto", "always")
 _SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 2, 60, 60, 4, 4
 _SHOW.maxlong = 40
@@ -287,7 +292,10 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
     out = top.get("output", {})
-    reader.mapping(out, "output", {"dir"})
+    reader.mapping(out, "output", {"dir", "float_model"})
+    float_model = reader.choice(
+        out.get("float_model", "auto"), "output.float_model", FLOAT_MODEL_CHOICES
+    )
     if output_dir is not None:
         out_path = Path(output_dir)
         if reader.probe(out_path, "--output-dir", Path.exists) and not out_path.is_dir():
@@ -315,6 +323,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         qat,
         algorithms,
         tuning,
+        float_model,
     )
 
 

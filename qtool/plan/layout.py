@@ -163,7 +163,7 @@ def plan_layout(
             dynamic.update((n, None) for n in node.input if graph.is_float_activation(n))
             continue
         wanted.extend((name, pairs) for name in node.input if graph.is_float_activation(name))
-        if rule.output_quantized:
+        if entry.quantizes_output(rule):
             out = node.output[0]
             clamp = _single_clamp_consumer(out, graph)
             target = clamp.output[0] if clamp is not None else out

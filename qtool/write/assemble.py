@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qtool.calibration.fp8_range import compute_fp8_range
 from qtool.calibration.hessians import HessianAccumulator
@@ -18,6 +17,7 @@ from qtool.calibration.observers import TensorStats
 from qtool.calibration.ranges import compute_range
 from qtool.calibration.spec import CalibrationSpec
 from qtool.errors import CalibrationError
+from qtool.model.external_data import tensor_array
 from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
@@ -84,7 +84,7 @@ def weight_parameters(
     hessians = hessians or {}
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
-        array = numpy_helper.to_array(initializers[name])
+        array = tensor_array(initializers[name])
         if plans[name].format == "e4m3":
             weights[name] = quantize_fp8_weight(array, slot.axis)
         elif name in integer:
@@ -107,7 +107,7 @@ def bias_parameters(
     biases = {}
     for name, slot in layout.biases.items():  # int32 biases read int8 pairs (registry entries)
         values, scale = quantize_bias(
-            numpy_helper.to_array(initializers[name]),
+            tensor_array(initializers[name]),
             activations[slot.activation].scale,
             np.asarray(weights[slot.weight].scale),
         )

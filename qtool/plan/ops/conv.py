@@ -123,7 +123,7 @@ CONV = OpRule(
             not_fused=_NO_4BIT_QLINEAR,
         ),
         **fp8_entry(
-            "DQ(fp8 e4m3) -> Conv -> Q(fp8 e4m3); weight fp8 per output channel, bias in the "
+            "DQ(fp8 e4m3) -> Conv; weight fp8 per output channel, bias and output in the "
             "float type",
             ("Conv",),
             conv_declines_fp8,

@@ -80,6 +80,10 @@ def fp8_entry(
 ) -> dict[tuple[str, str], Entry]:
     """The TensorRT FP8 E4M3 entry of a weighted op: per-tensor FP8 activations (amax or a
     histogram threshold / 448), per-output-channel FP8 weights, the bias left in the float
-    type (TensorRT's DequantizeLinear takes no int32). `declines`: the nodes whose shapes
-    TensorRT's FP8 kernels gain nothing on (tensorrt_fp8.py)."""
-    return {("tensorrt", FP8): Entry(written, op_types, runs_as=_FP8_ON_ORT, declines=declines)}
+    type (TensorRT's DequantizeLinear takes no int32). The output is not quantized (TensorRT's
+    Q/DQ placement recommendations: quantize the inputs of weighted ops, not their outputs; a
+    Q/DQ pair on a tensor only FP16 ops read would add E4M3's rounding for no FP8 kernel).
+    `declines`: the nodes whose shapes TensorRT's FP8 kernels gain nothing on
+    (tensorrt_fp8.py)."""
+    entry = Entry(written, op_types, runs_as=_FP8_ON_ORT, declines=declines, output_quantized=False)
+    return {("tensorrt", FP8): entry}

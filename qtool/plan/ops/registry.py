@@ -180,6 +180,9 @@ class Entry:
     `declines`: (node, graph) -> why the target's runtime has no kernel worth this form for
     the node's shapes, so it stays in the float type (TensorRT's FP8 kernels on small Convs
     and GEMMs, tensorrt_fp8.py), or None; no function: every node takes the form.
+    `output_quantized`: None: the rule's `output_quantized` (ORT's fused form); False: this
+    form quantizes the inputs only (TensorRT's FP8 placement: Q/DQ on the inputs of weighted
+    ops, the output left in the float type for whatever reads it).
     """
 
     written: str
@@ -194,6 +197,12 @@ class Entry:
     unsigned_blocks: str | None = None
     signed_scales: bool = False
     declines: Callable[[onnx.NodeProto, GraphIndex], str | None] | None = None
+    output_quantized: bool | None = None
+
+    def quantizes_output(self, rule: OpRule) -> bool:
+        """Whether the layout quantizes the node's output in this form: the entry's word where
+        it has one, else the rule's (ORT's fused form)."""
+        return rule.output_quantized if self.output_quantized is None else self.output_quantized
 
     def not_fused_reason(self, weight: WeightPlan | None) -> str:
         if self.not_fused is None:

@@ -47,9 +47,9 @@ def conv_declines_fp8(node: onnx.NodeProto, graph: GraphIndex) -> str | None:
     out_channels, in_channels = dims[0], dims[1]  # in_channels: per group, as stored
     if out_channels <= MIN_CONV_CHANNELS or in_channels <= MIN_CONV_CHANNELS:
         group = int_attribute(node, "group", 1)
-        kind = "depthwise, " if group > 1 and in_channels == 1 else ""
-        what = f"{kind}{in_channels} input channels per group, {out_channels} output channels"
-        return _WHY.format(what=f"Conv with {what}, <= {MIN_CONV_CHANNELS}")
+        kind = "depthwise " if group > 1 and in_channels == 1 else ""
+        what = f"{kind}Conv with C_in = {in_channels} per group, C_out = {out_channels}"
+        return _WHY.format(what=f"{what}; one <= {MIN_CONV_CHANNELS}")
     size = math.prod(dims[2:])
     if size > MAX_CONV_FILTER:
         kernel = "x".join(str(d) for d in dims[2:])
