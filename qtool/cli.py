@@ -396,15 +396,19 @@ def evaluate(
         str | None,
         typer.Option(
             "--metric",
-            help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32). "
-            "Default: accuracy with labels, else agreement, which is refused on an output that "
-            "is not class scores unless named here.",
+            help="What --max-drop counts: accuracy | agreement (top-1 agreement with FP32) | "
+            "perplexity (next-token labels: a text data source). Default: perplexity on text, "
+            "accuracy with other labels, else agreement, which is refused on an output that is "
+            "not class scores unless named here.",
         ),
     ] = None,
     max_drop: Annotated[
         float | None,
         typer.Option(
-            "--max-drop", help="Exit 1 when --metric drops by more than this many points."
+            "--max-drop",
+            help="Exit 1 when --metric drops by more than this many points; for perplexity, "
+            "when the quantized model's perplexity exceeds FP32's by more than this many "
+            "percent (relative: 2 allows 47.4 -> 48.3).",
         ),
     ] = None,
     min_cosine: Annotated[
@@ -449,17 +453,19 @@ def evaluate(
         str | None,
         typer.Option(
             "--rows",
-            help="Metric rows of every output, comma-separated: accuracy, top1, sqnr, cosine. "
-            "Default: by output kind (top1 for class scores; sqnr and cosine for embeddings "
-            "and other dense outputs). Overrides evaluation.rows.",
+            help="Metric rows of every output, comma-separated: accuracy, perplexity, top1, kl, "
+            "sqnr, cosine. Default: by output kind (perplexity, top1 and kl for next-token "
+            "scores; top1 for class scores; sqnr and cosine for embeddings and other dense "
+            "outputs). Overrides evaluation.rows.",
         ),
     ] = None,
     output_dir: OutputOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """Compare the float and quantized models on every output, fused (as ONNX Runtime runs it)
-    and unfused (QDQ semantics): accuracy, top-1 agreement (class scores), SQNR, cosine, the fused
-    model against its own QDQ semantics, latency, size.
+    and unfused (QDQ semantics): accuracy, top-1 agreement (class scores), perplexity and KL
+    (next-token labels of a text source), SQNR, cosine, the fused model against its own QDQ
+    semantics, latency, size.
 
     Gates (--max-drop, --min-cosine, --min-sqnr) are judged on the fused model, and any failed
     gate makes the exit code 1. Use --min-cosine for embedding models: top-1 agreement means
@@ -530,8 +536,9 @@ def analyze(
         str | None,
         typer.Option(
             "--metric",
-            help="accuracy | agreement | cosine | sqnr. Default: the gate `qtool evaluate` "
-            "judges (evaluation.metric / min_cosine / min_sqnr; accuracy with labels).",
+            help="accuracy | agreement | perplexity | cosine | sqnr. Default: the gate `qtool "
+            "evaluate` judges (evaluation.metric / min_cosine / min_sqnr; perplexity on text, "
+            "accuracy with other labels).",
         ),
     ] = None,
     plot: Annotated[

@@ -324,7 +324,10 @@ def test_weight_only_stats_skip_the_int8_variants_and_say_why(folder, cli):
         (["--mode", "bogus"], "--mode: 'bogus' is not one of one-at-a-time, all-but-one"),
         (["--candidates", "int2"], "--candidates: 'int2' is not one of int8, int4"),
         (["--candidates", "float"], "float is the reference, not a candidate"),
-        (["--metric", "f1"], "--metric: must be one of accuracy, agreement, cosine, sqnr"),
+        (
+            ["--metric", "f1"],
+            "--metric: must be one of accuracy, agreement, perplexity, cosine, sqnr",
+        ),
     ],
 )
 def test_bad_options_exit_2(folder, cli, args, message):

@@ -25,7 +25,13 @@ from qtool.metrics.evaluate import Batch, evaluate_models
 from qtool.metrics.gates import GateResult, Gates, judge_gates
 from qtool.metrics.junit import junit_xml
 from qtool.metrics.results import EvalResult
-from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
+from qtool.metrics.spec import (
+    GATE_METRICS,
+    TOKEN_ROWS,
+    EvaluationSpec,
+    gate_problem,
+    rows_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -83,12 +89,14 @@ def run(
         spec: EvaluationSpec | None = loaded.evaluation
         fp32_path, quant_path = loaded.float_model_path, quantized_path(loaded)
         batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
+        text = spec.data.text is not None
     else:
         if fp32 is None or quant is None or data is None:
             raise RecipeError("evaluate needs a RECIPE, or all of --fp32, --quant and --data")
         fp32_path, quant_path = fp32, quant
         batches = npz_batches(fp32, data, batch_size)
         spec = None  # no recipe: only the options set gates
+        text = False
 
     def choose(key: str, flag_value):
         """The option when given (it overrides the recipe), else the recipe's value; with where
@@ -109,10 +117,15 @@ def run(
         max_drop_source=max_drop_where,
     )
     labels_required_by = None
-    if chosen_metric == "accuracy":
-        labels_required_by = accuracy_source(metric_where)
-    elif chosen_rows is not None and "accuracy" in chosen_rows:
-        labels_required_by = accuracy_source(rows_where)
+    if chosen_metric in ("accuracy", "perplexity"):
+        labels_required_by = metric_source(metric_where, chosen_metric)
+    elif chosen_rows is not None:
+        wanted = [row for row in ("accuracy", *TOKEN_ROWS) if row in chosen_rows]
+        if wanted:
+            labels_required_by = metric_source(rows_where, wanted[0])
+    # Next-token scoring: on text (its labels are the next tokens), or when asked for by name.
+    token_labels = text or chosen_metric == "perplexity"
+    token_labels |= chosen_rows is not None and bool(set(chosen_rows) & set(TOKEN_ROWS))
     result = evaluate(
         fp32_path,
         quant_path,
@@ -126,6 +139,7 @@ def run(
         progress=options.progress,
         accuracy_level=choose("accuracy_level", options.accuracy_level)[0],
         rows=chosen_rows,
+        token_labels=token_labels,
     )
     evaluation = Evaluation(result, judge_gates(result, gates))
     write_reports(evaluation, options.json_path, options.junit_path)
@@ -156,9 +170,9 @@ def _check_options(options: EvaluateOptions) -> tuple[str, ...] | None:
     return rows
 
 
-def accuracy_source(where: str) -> str:
+def metric_source(where: str, metric: str) -> str:
     """'--metric accuracy' or 'recipe.yaml: evaluation.metric: accuracy', as the user wrote it."""
-    return f"{where} accuracy" if where.startswith("--") else f"{where}: accuracy"
+    return f"{where} {metric}" if where.startswith("--") else f"{where}: {metric}"
 
 
 def evaluate(fp32_path: Path, quant_path: Path, batches, **options) -> EvalResult:

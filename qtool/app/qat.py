@@ -78,7 +78,15 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
             f"{recipe.path}: quantization.algorithms [{names}]: qtool qat trains the weights "
             "and biases itself and runs no PTQ algorithm; remove them from the QAT recipe"
         )
-    return recipe.qat or QatSpec()
+    qat = recipe.qat or QatSpec()
+    train = qat.data or recipe.calibration.data
+    if train.text is not None:
+        raise RecipeError(
+            f"{recipe.path}: {train.where}.text: qtool qat does not train on text yet (its "
+            "losses take one label per sample, not a next token per position); quantize the "
+            "decoder with qtool quantize"
+        )
+    return qat
 
 
 def _prepare(recipe: Recipe, net) -> Prepared:

@@ -30,7 +30,15 @@ from qtool.algorithms.spec import (
 from qtool.calibration.spec import MAX_BINS, METHODS, MIN_BINS, CalibrationSpec
 from qtool.config import presets
 from qtool.config.yaml_load import load_yaml
-from qtool.data.spec import IMAGE_MODES, INPUT_DTYPES, DataSpec, ImageFolder, InputSpec
+from qtool.data.spec import (
+    IMAGE_MODES,
+    INPUT_DTYPES,
+    DataSpec,
+    ImageFolder,
+    InputSpec,
+    TextSource,
+)
+from qtool.data.text import inputs_problem, tokenizer_file
 from qtool.errors import RecipeError
 from qtool.io import not_a_file
 from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_problem
@@ -209,12 +217,17 @@ class _Reader:
             raise self.fail(where, f"must be a list of numbers, got {_show(value)}")
         return tuple(self.number(item, f"{where}[{i}]") for i, item in enumerate(value))
 
-    def shape(self, value: Any, where: str) -> tuple[int, ...]:
+    def shape(self, value: Any, where: str, empty_axes: bool = False) -> tuple[int, ...]:
+        """A list of dims, each >= 1; with `empty_axes`, dims after the first (the batch) may
+        be 0: an empty axis, such as the past length of a KV-cache input fed no past."""
         if not isinstance(value, list) or not value:
             raise self.fail(
                 where, f"must be a non-empty list of positive integers, got {_show(value)}"
             )
-        return tuple(self.integer(dim, f"{where}[{i}]", minimum=1) for i, dim in enumerate(value))
+        return tuple(
+            self.integer(dim, f"{where}[{i}]", minimum=0 if empty_axes and i > 0 else 1)
+            for i, dim in enumerate(value)
+        )
 
 
 def _one_line(text: str) -> str:
@@ -256,10 +269,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     )
     model = _read_model(reader, top["model"])
     inputs = _read_inputs(reader, top["inputs"])
-    calibration = _read_calibration(reader, top["calibration"])
+    calibration = _read_calibration(reader, top["calibration"], inputs)
     quantization = _read_quantization(reader, top.get("quantization", {}))
     algorithms = _read_algorithms(reader, top.get("quantization", {}).get("algorithms", []))
-    evaluation = _read_evaluation(reader, top["evaluation"]) if "evaluation" in top else None
+    evaluation = None
+    if "evaluation" in top:
+        evaluation = _read_evaluation(reader, top["evaluation"], inputs)
     out = top.get("output", {})
     reader.mapping(out, "output", {"dir"})
     if output_dir is not None:
@@ -274,7 +289,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     mixed = None
     if "mixed_precision" in top:
         mixed = _read_mixed_precision(reader, top["mixed_precision"], quantization, evaluation)
-    qat = _read_qat(reader, top["qat"]) if "qat" in top else None
+    qat = _read_qat(reader, top["qat"], inputs) if "qat" in top else None
     return Recipe(
         recipe_path,
         model,
@@ -367,18 +382,18 @@ def _read_inputs(reader: _Reader, raw: Any) -> tuple[InputSpec, ...]:
         where = f"inputs.{name}"
         if isinstance(value, dict):
             reader.mapping(value, where, {"shape", "dtype"}, {"shape"})
-            shape = reader.shape(value["shape"], f"{where}.shape")
+            shape = reader.shape(value["shape"], f"{where}.shape", empty_axes=True)
             dtype = reader.choice(value.get("dtype", "float32"), f"{where}.dtype", INPUT_DTYPES)
         else:
-            shape, dtype = reader.shape(value, where), "float32"
+            shape, dtype = reader.shape(value, where, empty_axes=True), "float32"
         specs.append(InputSpec(str(name), shape, dtype))
     return tuple(specs)
 
 
-def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
-    kinds = {"npz", "npy", "images", "python", "synthetic"}
+def _read_data(reader: _Reader, raw: Any, where: str, inputs: tuple[InputSpec, ...]) -> DataSpec:
+    kinds = {"npz", "npy", "images", "python", "text", "synthetic"}
     reader.mapping(raw, where, kinds | {"labels", "samples"})
-    chosen = [k for k in ("npz", "npy", "images", "python") if k in raw]
+    chosen = [k for k in ("npz", "npy", "images", "python", "text") if k in raw]
     synthetic = (
         reader.boolean(raw["synthetic"], f"{where}.synthetic") if "synthetic" in raw else False
     )
@@ -386,7 +401,8 @@ def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
         chosen.append("synthetic")
     if len(chosen) != 1:
         raise reader.fail(
-            where, "give exactly one data source: npz, npy, images, python, or synthetic: true"
+            where,
+            "give exactly one data source: npz, npy, images, python, text, or synthetic: true",
         )
     if "samples" in raw and not synthetic:
         raise reader.fail(f"{where}.samples", "only applies to synthetic: true")
@@ -406,8 +422,80 @@ def _read_data(reader: _Reader, raw: Any, where: str) -> DataSpec:
         return DataSpec(where, images=_read_images(reader, raw["images"], f"{where}.images"))
     if kind == "python":
         return DataSpec(where, python=reader.entry_point(raw["python"], f"{where}.python"))
+    if kind == "text":
+        return DataSpec(where, text=_read_text(reader, raw["text"], f"{where}.text", inputs))
     samples = reader.integer(raw.get("samples", 64), f"{where}.samples", minimum=1)
     return DataSpec(where, synthetic=True, samples=samples)
+
+
+def _read_text(reader: _Reader, raw: Any, where: str, inputs: tuple[InputSpec, ...]) -> TextSource:
+    """`text: {files, tokenizer, window, stride, max_windows, bos}`; the window defaults to the
+    sequence length of inputs.input_ids, and every input must be one the source can fill."""
+    keys = {"files", "tokenizer", "window", "stride", "max_windows", "bos"}
+    reader.mapping(raw, where, keys, {"files", "tokenizer"})
+    files = _read_text_files(reader, raw["files"], f"{where}.files")
+    tokenizer = reader.base / reader.string(raw["tokenizer"], f"{where}.tokenizer")
+    found = reader.probe(tokenizer, f"{where}.tokenizer", tokenizer_file)
+    if found is None:
+        if reader.probe(tokenizer, f"{where}.tokenizer", Path.is_dir):
+            raise reader.fail(
+                f"{where}.tokenizer",
+                f"folder {tokenizer} has no tokenizer.json (the Hugging Face tokenizers format "
+                "that transformers' save_pretrained writes)",
+            )
+        raise reader.fail(f"{where}.tokenizer", f"file not found: {tokenizer}")
+    ids = next((spec for spec in inputs if spec.name == "input_ids"), None)
+    if "window" in raw:
+        window = reader.integer(raw["window"], f"{where}.window", minimum=2)
+    elif ids is not None and len(ids.shape) == 2:
+        window = int(ids.shape[1])
+    else:
+        raise reader.fail(
+            f"{where}.window", "is required when inputs: declares no input_ids [batch, tokens]"
+        )
+    bos = raw.get("bos", False)
+    if not isinstance(bos, bool):
+        bos = reader.string(bos, f"{where}.bos")
+    elif bos and window < 3:
+        raise reader.fail(f"{where}.window", f"with bos, must be >= 3, got {window}")
+    problem = inputs_problem(inputs, window)
+    if problem is not None:
+        raise reader.fail(where, problem)
+    stride = raw.get("stride")
+    max_windows = raw.get("max_windows")
+    return TextSource(
+        files=files,
+        tokenizer=found,
+        window=window,
+        stride=None if stride is None else reader.integer(stride, f"{where}.stride", minimum=1),
+        max_windows=None
+        if max_windows is None
+        else reader.integer(max_windows, f"{where}.max_windows", minimum=1),
+        bos=bos,
+    )
+
+
+def _read_text_files(reader: _Reader, raw: Any, where: str) -> tuple[Path, ...]:
+    """A path, a glob, or a list of them; a glob's matches sorted, the list's order kept."""
+    entries = [raw] if isinstance(raw, str) else raw
+    if not isinstance(entries, list) or not entries:
+        raise reader.fail(where, f"must be a file, a glob or a list of them, got {_show(raw)}")
+    files: list[Path] = []
+    for index, entry in enumerate(entries):
+        key = where if isinstance(raw, str) else f"{where}[{index}]"
+        text = reader.string(entry, key)
+        if any(c in text for c in "*?["):
+            if any(c in str(Path(text).parent) for c in "*?["):
+                raise reader.fail(key, f"a glob may only match file names, got {_show(text)}")
+            pattern = reader.base / text
+            found = reader.probe(pattern, key, lambda p: list(p.parent.glob(p.name)))
+            matches = sorted(p for p in found if p.is_file())
+            if not matches:
+                raise reader.fail(key, f"no file matches {pattern}")
+            files += matches
+        else:
+            files.append(reader.existing_file(text, key))
+    return tuple(files)
 
 
 def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
@@ -439,7 +527,14 @@ def _read_images(reader: _Reader, raw: Any, where: str) -> ImageFolder:
     )
 
 
-def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
+def _default_batch(data: DataSpec, default: int) -> int:
+    """A text source's windows default to batch 1: the logits of one window of a decoder are
+    window x vocabulary floats (512 tokens of a 49k vocabulary: 100 MB), and calibration keeps
+    every quantized node's input of the batch besides."""
+    return 1 if data.text is not None else default
+
+
+def _read_calibration(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> CalibrationSpec:
     keys = {"data", "batch_size", "max_samples", "method", "percentile", "bins"}
     reader.mapping(raw, "calibration", keys, {"data"})
     percentile = reader.number(raw.get("percentile", 99.99), "calibration.percentile")
@@ -453,9 +548,12 @@ def _read_calibration(reader: _Reader, raw: Any) -> CalibrationSpec:
             "calibration.bins", f"must be even (the histogram is split at 0), got {bins}"
         )
     max_samples = raw.get("max_samples")
+    data = _read_data(reader, raw["data"], "calibration.data", inputs)
     return CalibrationSpec(
-        data=_read_data(reader, raw["data"], "calibration.data"),
-        batch_size=reader.integer(raw.get("batch_size", 32), "calibration.batch_size", minimum=1),
+        data=data,
+        batch_size=reader.integer(
+            raw.get("batch_size", _default_batch(data, 32)), "calibration.batch_size", minimum=1
+        ),
         max_samples=None
         if max_samples is None
         else reader.integer(max_samples, "calibration.max_samples", minimum=1),
@@ -659,7 +757,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
     )
 
 
-def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
+def _read_evaluation(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> EvaluationSpec:
     keys = {"data", "batch_size", "output", "metric", "max_drop", "min_cosine", "min_sqnr"}
     keys |= {"accuracy_level", "rows"}
     reader.mapping(raw, "evaluation", keys, {"data"})
@@ -685,9 +783,12 @@ def _read_evaluation(reader: _Reader, raw: Any) -> EvaluationSpec:
         gates[key] = value
     output = raw.get("output")
     metric = raw.get("metric")
+    data = _read_data(reader, raw["data"], "evaluation.data", inputs)
     return EvaluationSpec(
-        data=_read_data(reader, raw["data"], "evaluation.data"),
-        batch_size=reader.integer(raw.get("batch_size", 64), "evaluation.batch_size", minimum=1),
+        data=data,
+        batch_size=reader.integer(
+            raw.get("batch_size", _default_batch(data, 64)), "evaluation.batch_size", minimum=1
+        ),
         output=None if output is None else reader.string(output, "evaluation.output"),
         metric=None if metric is None else reader.choice(metric, "evaluation.metric", GATE_METRICS),
         accuracy_level=accuracy_level,
@@ -765,7 +866,7 @@ def _read_budget(reader: _Reader, raw: Any, where: str) -> BudgetSpec:
     return BudgetSpec(metric=metric, **{key: value})
 
 
-def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
+def _read_qat(reader: _Reader, raw: Any, inputs: tuple[InputSpec, ...]) -> QatSpec:
     keys = {"epochs", "lr", "optimizer", "batch_size", "seed", "data", "loss", "learn_scales"}
     reader.mapping(raw if raw is not None else {}, "qat", keys)
     raw = raw or {}
@@ -790,7 +891,7 @@ def _read_qat(reader: _Reader, raw: Any) -> QatSpec:
         optimizer=reader.choice(raw.get("optimizer", "adam"), "qat.optimizer", QAT_OPTIMIZERS),
         batch_size=reader.integer(raw.get("batch_size", 32), "qat.batch_size", minimum=1),
         seed=None if seed is None else reader.integer(seed, "qat.seed", minimum=0),
-        data=_read_data(reader, raw["data"], "qat.data") if "data" in raw else None,
+        data=_read_data(reader, raw["data"], "qat.data", inputs) if "data" in raw else None,
         loss=loss,
         learn_scales=reader.boolean(raw.get("learn_scales", False), "qat.learn_scales"),
     )

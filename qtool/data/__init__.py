@@ -1,2 +1,2 @@
-"""Data sources (npz, npy, image folders, Python functions, synthetic) read as batches of model
-inputs, re-batched to the size a stage asks for, with labels where the source has them."""
+"""Data sources (npz, npy, image folders, Python functions, text, synthetic) read as batches of
+model inputs, re-batched to the size a stage asks for, with labels where the source has them."""

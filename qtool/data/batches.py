@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.data.spec import DataSpec, ImageFolder, InputSpec
+from qtool.data.text import text_chunks
 from qtool.errors import DataError, QtoolError
 from qtool.model.load import load_entry_point
 from qtool.zip_members import READ_ERRORS, NpyMember
@@ -214,6 +215,10 @@ def _source_chunks(
         return _image_chunks(spec.images, spec.where)
     if spec.python is not None:
         return _python_chunks(spec.python, spec.where)
+    if spec.text is not None:
+        return (
+            Batch(arrays, labels) for arrays, labels in text_chunks(spec.text, inputs, spec.where)
+        )
     if spec.synthetic:
         return _synthetic_chunks(inputs, spec.samples, seed)
     raise DataError(f"{spec.where}: no data source given")
@@ -303,6 +308,8 @@ class _NpyStream:
             self.raw, self.offset = raw, _stored_data_offset(raw, info, path) + npy.header_bytes
 
     def read(self, count: int) -> np.ndarray:
+        if self.row_bytes == 0:  # an empty axis (a KV cache's past of length 0): no bytes
+            return np.empty((count, *self.shape[1:]), dtype=self.dtype)
         if self.raw is None:
             data = self.handle.read(count * self.row_bytes)
             if len(data) != count * self.row_bytes:

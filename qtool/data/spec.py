@@ -41,6 +41,34 @@ class ImageFolder:
 
 
 @dataclass(frozen=True)
+class TextSource:
+    """Text files read as windows of a model's own tokens, with the next tokens as labels.
+
+    The files are one token stream, in order; window k starts `stride` tokens after window k-1.
+    `stride` None means `window` (minus the BOS, with `bos`): windows that do not overlap.
+    `bos`: False, True (the BOS token that tokenizer_config.json beside the tokenizer names) or
+    a token string; each window then starts with that token and holds window - 1 text tokens.
+    """
+
+    files: tuple[Path, ...]
+    tokenizer: Path  # a tokenizer.json (the Hugging Face `tokenizers` format)
+    window: int
+    stride: int | None = None
+    max_windows: int | None = None
+    bos: bool | str = False
+
+    @property
+    def body(self) -> int:
+        """Text tokens per window: the window less its BOS token, when it starts with one."""
+        return self.window - (0 if self.bos is False else 1)
+
+    @property
+    def step(self) -> int:
+        """Text tokens from one window's start to the next's."""
+        return self.stride if self.stride is not None else self.body
+
+
+@dataclass(frozen=True)
 class DataSpec:
     """Exactly one data source; the field that is set says which kind."""
 
@@ -52,10 +80,11 @@ class DataSpec:
     python: str | None = None  # "path/to/file.py:function" with the path resolved
     synthetic: bool = False
     samples: int = 64
+    text: TextSource | None = None
 
     @property
     def kind(self) -> str:
-        for kind in ("npz", "npy", "images", "python"):
+        for kind in ("npz", "npy", "images", "python", "text"):
             if getattr(self, kind) is not None:
                 return kind
         return "synthetic"

@@ -30,7 +30,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from qtool.errors import DataError, ModelError
 from qtool.metrics.fusion_gap import fused_gap_warning
 from qtool.metrics.inputs import check_labels, input_specs, output_names, validate_inputs
-from qtool.metrics.kinds import KindEvidence, chosen_rows, default_rows
+from qtool.metrics.kinds import (
+    NEXT_TOKEN_EVIDENCE,
+    KindEvidence,
+    OutputKind,
+    chosen_rows,
+    default_rows,
+)
 from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.model_files import model_bytes, read_proto
 from qtool.metrics.provenance_check import check_provenance
@@ -43,6 +49,7 @@ from qtool.metrics.results import (
     VariantMetrics,
 )
 from qtool.metrics.signal import SignalQuality
+from qtool.metrics.tokens import NextTokenComparison
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import create_session
@@ -66,13 +73,15 @@ def _progress(enabled: bool, total: int | None):
 
 class _OutputTally:
     """Everything accumulated for one output: each variant vs FP32 (with cosine and top-1), the
-    fused variant vs the unfused one, label accuracy of each variant, and the kind evidence."""
+    fused variant vs the unfused one, label accuracy of each variant, the kind evidence, and,
+    on next-token labels, perplexity, next-token agreement and KL (metrics/tokens.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: bool = False) -> None:
         self.quality = {v: SignalQuality(cosine="rows", top1=True) for v in VARIANTS}
         self.fused_vs_unfused = SignalQuality(top1=True)
         self.accuracy = {v: LabelAccuracy() for v in VARIANTS}
         self.evidence = KindEvidence()
+        self.tokens = NextTokenComparison(VARIANTS) if tokens else None
 
     def update(
         self, ref: np.ndarray, runs: Mapping[str, np.ndarray], labels: np.ndarray | None
@@ -83,21 +92,31 @@ class _OutputTally:
                 self.accuracy[variant].update(runs[variant], labels)
         self.fused_vs_unfused.update(runs["unfused"], runs["fused"])
         self.evidence.update(ref)
+        if self.tokens is not None and labels is not None:
+            self.tokens.update(ref, runs, labels)
 
     def result(
         self, name: str, labelled: bool, fp32_accuracy: float | None, rows: Sequence[str] | None
     ) -> OutputResult:
-        metrics = {
-            v: VariantMetrics(
+        tokens = self.tokens if labelled else None
+        metrics = {}
+        for v in VARIANTS:
+            metrics[v] = VariantMetrics(
                 self.quality[v].sqnr_db(),
                 self.quality[v].cosine(),
                 self.quality[v].agreement(),
                 self.accuracy[v].value() if labelled else None,
             )
-            for v in VARIANTS
-        }
+            if tokens is not None:
+                scored = tokens.variants[v]
+                metrics[v].agreement = scored.agreement()
+                metrics[v].perplexity = scored.perplexity()
+                metrics[v].kl = scored.mean_kl()
         gap = self.fused_vs_unfused
         kind = self.evidence.decide(labelled)
+        if tokens is not None:
+            kind = OutputKind(kind.kind, NEXT_TOKEN_EVIDENCE)
+        scored_tokens = tokens is not None
         return OutputResult(
             name,
             fused=metrics["fused"],
@@ -105,10 +124,14 @@ class _OutputTally:
             fp32_accuracy=fp32_accuracy,
             kind=kind.kind,
             kind_evidence=kind.evidence,
-            rows=default_rows(kind, labelled) if rows is None else chosen_rows(rows, labelled),
+            rows=default_rows(kind, labelled, scored_tokens)
+            if rows is None
+            else chosen_rows(rows, labelled, scored_tokens),
             fused_vs_unfused=FusedVsUnfused(
                 gap.sqnr_db(), gap.changed() if gap.predictions else None, gap.predictions
             ),
+            fp32_perplexity=None if tokens is None else tokens.fp32.perplexity(),
+            tokens=None if tokens is None else tokens.fp32.tokens,
         )
 
 
@@ -127,6 +150,7 @@ def evaluate_models(
     cpu: CpuFeatures | None = None,
     accuracy_level: int | None = None,
     rows: Sequence[str] | None = None,
+    token_labels: bool = False,
 ) -> EvalResult:
     """Run FP32 once and the quantized model fused and unfused over `batches`; compare outputs.
 
@@ -137,6 +161,9 @@ def evaluate_models(
     error). `cpu` (default: this machine) decides the cause named when fused trails unfused.
     `accuracy_level` sets MatMulNBits' compute type for the fused session (None: ORT's default).
     `rows` (metrics/kinds.py ROWS) are the table rows of every output; None: by output kind.
+    `token_labels`: the labels are the next token of every position of `output` (a decoder's
+    logits [batch, sequence, vocab], labels [batch, sequence], negative where there is nothing
+    to predict): it also gets perplexity, next-token agreement and KL, one batch at a time.
     """
     if latency_runs < 1:
         raise ValueError(f"latency_runs must be >= 1, got {latency_runs}")
@@ -166,7 +193,7 @@ def evaluate_models(
             f"(outputs: {', '.join(names)})"
         )
 
-    tallies = {name: _OutputTally() for name in names}
+    tallies = {name: _OutputTally(token_labels and name == output) for name in names}
     fp32_accuracy = LabelAccuracy()
     has_labels: bool | None = None
     first_inputs: Mapping[str, np.ndarray] | None = None
@@ -218,6 +245,9 @@ def evaluate_models(
 
     if first_inputs is None:
         raise DataError("the evaluation data yielded no batches")
+    scored = tallies[output].tokens
+    if scored is not None and has_labels and scored.fp32.tokens == 0:
+        raise DataError(f"no position of output {output!r} has a next-token label to score")
 
     outputs = []
     for name in names:

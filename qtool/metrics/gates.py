@@ -22,10 +22,12 @@ from qtool.metrics.signal import format_db, json_float
 class Gates:
     """The CI gates, all judged on the gated output of the fused model (what deploys).
 
-    metric None means accuracy with labels, else top-1 agreement, which is refused on an output
-    that is not class scores: cosine is the gate for embeddings, where top-1 agreement means
-    nothing. A metric named explicitly is judged whatever the output. `max_drop_source` names
-    where max_drop came from (an option or a recipe key), for the refusal.
+    metric None means perplexity on next-token labels, accuracy with other labels, else top-1
+    agreement, which is refused on an output that is not class scores: cosine is the gate for
+    embeddings, where top-1 agreement means nothing. A metric named explicitly is judged whatever
+    the output. For perplexity, max_drop is the percent the quantized model's perplexity may
+    exceed FP32's (relative, so one limit fits models whose perplexities differ). Where
+    max_drop came from (an option or a recipe key) is `max_drop_source`, for the refusal.
     """
 
     metric: str | None = None
@@ -39,8 +41,9 @@ class Gates:
 class GateResult:
     gate: str  # "max_drop" | "min_cosine" | "min_sqnr"
     output: str
-    metric: str  # "accuracy" | "agreement" | "cosine" | "sqnr_db"
-    value: float  # fused: the number judged
+    metric: str  # "accuracy" | "agreement" | "perplexity" | "cosine" | "sqnr_db"
+    # fused: the number judged (max_drop: points lost; for perplexity, percent gained)
+    value: float
     unfused_value: float  # for reference only
     limit: float
     passed: bool
@@ -48,6 +51,8 @@ class GateResult:
     @property
     def title(self) -> str:
         """A name that stays the same from run to run (CI systems track tests by name)."""
+        if self.gate == "max_drop" and self.metric == "perplexity":
+            return f"{self.output}: perplexity rise <= {self.limit:g}%"
         if self.gate == "max_drop":
             return f"{self.output}: {self.metric} drop <= {self.limit:g} points"
         if self.gate == "min_cosine":
@@ -55,6 +60,11 @@ class GateResult:
         return f"{self.output}: SQNR >= {self.limit:g} dB"
 
     def describe(self) -> str:
+        if self.gate == "max_drop" and self.metric == "perplexity":
+            return (
+                f"output {self.output!r}: perplexity {self.value + 0.0:+.2f}% vs FP32 "
+                f"(limit +{self.limit:.2f}%; unfused {self.unfused_value + 0.0:+.2f}%)"
+            )
         if self.gate == "max_drop":
             return (
                 f"output {self.output!r}: {self.metric} dropped {self.value:.2f} points "

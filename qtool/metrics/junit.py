@@ -39,8 +39,15 @@ def junit_xml(result: EvalResult, gates: Iterable[GateResult]) -> bytes:
                 summary[f"{out.name}.{variant}.agreement"] = f"{metrics.agreement:.6f}"
             if metrics.accuracy is not None:
                 summary[f"{out.name}.{variant}.accuracy"] = f"{metrics.accuracy:.6f}"
+            if metrics.perplexity is not None:
+                summary[f"{out.name}.{variant}.perplexity"] = f"{metrics.perplexity:.6f}"
+            if metrics.kl is not None:
+                summary[f"{out.name}.{variant}.kl"] = f"{metrics.kl:.6g}"
         if out.fp32_accuracy is not None:
             summary[f"{out.name}.fp32.accuracy"] = f"{out.fp32_accuracy:.6f}"
+        if out.fp32_perplexity is not None:
+            summary[f"{out.name}.fp32.perplexity"] = f"{out.fp32_perplexity:.6f}"
+            summary[f"{out.name}.tokens"] = str(out.tokens)
         if out.fused_vs_unfused is not None:
             gap = out.fused_vs_unfused
             summary[f"{out.name}.fused_vs_unfused.sqnr_db"] = format_db(gap.sqnr_db)

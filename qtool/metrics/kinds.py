@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qtool.metrics.spec import ROWS
+from qtool.metrics.spec import ROWS, TOKEN_ROWS
 
 CLASS_SCORES = "class_scores"
 DENSE = "dense"
@@ -122,14 +122,26 @@ def _standout(rows: np.ndarray, sums: np.ndarray) -> np.ndarray:
     return np.where(std > 0, z, np.where(top > mean, np.inf, 0.0))
 
 
-def default_rows(kind: OutputKind, labelled: bool) -> tuple[str, ...]:
-    """The rows of an output nobody asked rows for: class scores get accuracy (with labels) and
-    top-1 agreement besides SQNR and cosine; dense outputs get SQNR and cosine."""
+# The kind of an output scored on next-token labels (metrics/tokens.py): a decoder's logits.
+NEXT_TOKEN_EVIDENCE = "next-token labels are given for it"
+
+
+def default_rows(kind: OutputKind, labelled: bool, tokens: bool = False) -> tuple[str, ...]:
+    """The rows of an output nobody asked rows for: next-token scores get perplexity, top-1
+    agreement and KL; class scores get accuracy (with labels) and top-1 agreement; all get SQNR
+    and cosine; dense outputs get SQNR and cosine only."""
+    if tokens:
+        return ("perplexity", "top1", "kl", "sqnr", "cosine")
     if not kind.is_class:
         return ("sqnr", "cosine")
     return ("accuracy", "top1", "sqnr", "cosine") if labelled else ("top1", "sqnr", "cosine")
 
 
-def chosen_rows(requested: Sequence[str], labelled: bool) -> tuple[str, ...]:
-    """The rows a user asked for, in table order; accuracy only where labels belong."""
-    return tuple(r for r in ROWS if r in requested and (r != "accuracy" or labelled))
+def chosen_rows(requested: Sequence[str], labelled: bool, tokens: bool = False) -> tuple[str, ...]:
+    """The rows a user asked for, in table order; accuracy only where labels belong, perplexity
+    and KL only where they are next-token labels."""
+    return tuple(
+        r
+        for r in ROWS
+        if r in requested and (r != "accuracy" or labelled) and (r not in TOKEN_ROWS or tokens)
+    )

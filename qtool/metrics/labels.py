@@ -10,7 +10,10 @@ import numpy as np
 
 
 class LabelAccuracy:
-    """Correct top-1 predictions (argmax over the last axis) against class-index labels."""
+    """Correct top-1 predictions (argmax over the last axis) against class-index labels.
+
+    A negative label marks a position with nothing to predict (the text source's IGNORE_LABEL,
+    PyTorch's ignore_index) and is not counted."""
 
     def __init__(self) -> None:
         self.correct = 0
@@ -18,8 +21,9 @@ class LabelAccuracy:
 
     def update(self, output: np.ndarray, labels: np.ndarray) -> None:
         top = np.argmax(output, axis=-1)
-        self.correct += int(np.count_nonzero(top == labels))
-        self.predictions += int(top.size)
+        counted = np.asarray(labels) >= 0
+        self.correct += int(np.count_nonzero((top == labels) & counted))
+        self.predictions += int(np.count_nonzero(counted))
 
     def value(self) -> float | None:
         """The fraction correct; None before any prediction."""

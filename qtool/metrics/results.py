@@ -36,13 +36,17 @@ class VariantMetrics:
     """One way of running the quantized model (fused or unfused) vs FP32, on one output.
 
     agreement is None for outputs without a class axis (rank < 2: no top-1 to agree on);
-    accuracy is None except on the gated output of labelled data.
+    accuracy is None except on the gated output of labelled data. On an output scored on
+    next-token labels (metrics/tokens.py) agreement counts the predicted positions only, and
+    perplexity and kl (mean KL(FP32 || quantized) in nats) are set.
     """
 
     sqnr_db: float
     cosine: float
     agreement: float | None
     accuracy: float | None = None
+    perplexity: float | None = None
+    kl: float | None = None
 
 
 @dataclass
@@ -79,23 +83,41 @@ class OutputResult:
     kind_evidence: str | None = None
     rows: tuple[str, ...] | None = None
     fused_vs_unfused: FusedVsUnfused | None = None
+    # Set on an output scored on next-token labels: FP32's perplexity and the predicted tokens.
+    fp32_perplexity: float | None = None
+    tokens: int | None = None
 
     def variant(self, name: str) -> VariantMetrics:
         return self.fused if name == "fused" else self.unfused
 
+    @property
+    def scores_tokens(self) -> bool:
+        return self.fp32_perplexity is not None
+
     def to_dict(self) -> dict:
         def variant(m: VariantMetrics) -> dict:
-            return {
+            entry = {
                 "accuracy": m.accuracy,
                 "agreement": m.agreement,
                 "sqnr_db": json_float(m.sqnr_db),
                 "cosine": m.cosine,
             }
+            if self.scores_tokens:
+                entry["perplexity"] = _json_optional(m.perplexity)
+                entry["kl"] = _json_optional(m.kl)
+            return entry
 
         gap = self.fused_vs_unfused
+        tokens = {}
+        if self.scores_tokens:
+            tokens = {
+                "fp32_perplexity": _json_optional(self.fp32_perplexity),
+                "tokens": self.tokens,
+            }
         return {
             "name": self.name,
             "fp32_accuracy": self.fp32_accuracy,
+            **tokens,
             "fused": variant(self.fused),
             "unfused": variant(self.unfused),
             "kind": self.kind,
@@ -103,6 +125,16 @@ class OutputResult:
             "rows": None if self.rows is None else list(self.rows),
             "fused_vs_unfused": None if gap is None else gap.to_dict(),
         }
+
+
+def _json_optional(value: float | None) -> float | str | None:
+    return None if value is None else json_float(value)
+
+
+def perplexity_rise(fp32: float, quantized: float) -> float:
+    """How much higher the quantized model's perplexity is than FP32's, in percent (negative:
+    lower). What `max_drop` counts for the perplexity metric."""
+    return (quantized / fp32 - 1.0) * 100.0
 
 
 @dataclass
@@ -195,9 +227,17 @@ class EvalResult:
         return self.gated().fused.cosine
 
     def drop_points(self, metric: str, variant: str = "fused") -> float:
-        """Points lost on the gated output: accuracy (FP32 - quantized) or top-1 disagreement."""
+        """Points lost on the gated output: accuracy (FP32 - quantized) or top-1 disagreement;
+        for perplexity, the percent it rose over FP32's."""
         gated = self.gated()
         measured = gated.variant(variant)
+        if metric == "perplexity":
+            if gated.fp32_perplexity is None or measured.perplexity is None:
+                raise DataError(
+                    f"perplexity needs next-token labels for output {self.output!r} (a text: "
+                    "data source), but the evaluation data has none"
+                )
+            return perplexity_rise(gated.fp32_perplexity, measured.perplexity)
         if metric == "accuracy":
             if gated.fp32_accuracy is None or measured.accuracy is None:
                 raise DataError("accuracy needs labels, but the evaluation data has none")
@@ -210,10 +250,14 @@ class EvalResult:
         return (1.0 - measured.agreement) * 100.0
 
     def default_metric(self) -> str:
+        """Perplexity on next-token labels, else accuracy with labels, else agreement."""
+        if self.gated().scores_tokens:
+            return "perplexity"
         return "accuracy" if self.has_labels else "agreement"
 
     def accuracy_drop_points(self) -> float:
-        """The default gate number: accuracy lost with labels, else top-1 disagreement (fused)."""
+        """The default gate number (fused): perplexity rise on next-token labels, accuracy lost
+        with other labels, else top-1 disagreement."""
         return self.drop_points(self.default_metric())
 
     def speedup(self) -> float:

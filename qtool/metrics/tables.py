@@ -12,7 +12,7 @@ from rich.table import Table
 
 from qtool.metrics.fusion_gap import kernels_matter, meaning
 from qtool.metrics.kinds import CLASS_SCORES
-from qtool.metrics.results import EvalResult, OutputResult
+from qtool.metrics.results import EvalResult, OutputResult, perplexity_rise
 from qtool.metrics.signal import format_db
 from qtool.runtime.fused_gap import kernel_advice, kernel_cause
 
@@ -45,6 +45,21 @@ def _compare(fp32: float, quant: float, less: str, more: str) -> str:
 
 def _points(value: float) -> str:
     return f"{value + 0.0:+.2f} pts"  # + 0.0 turns -0.0 into 0.0 so no change reads "+0.00"
+
+
+def _perplexity(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _kl(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _rise(fp32: float | None, quantized: float | None) -> str:
+    """A perplexity's change as a percent of FP32's: what --max-drop counts for perplexity."""
+    if fp32 is None or quantized is None:
+        return ""
+    return f"{perplexity_rise(fp32, quantized) + 0.0:+.2f}%"
 
 
 def _shown_rows(out: OutputResult, result: EvalResult) -> tuple[str, ...]:
@@ -89,6 +104,16 @@ def render_table(result: EvalResult) -> Table:
                 _points(change),
                 style=style,
             )
+        if "perplexity" in rows and out.scores_tokens:
+            table.add_row(
+                label,
+                "perplexity",
+                _perplexity(out.fp32_perplexity),
+                _perplexity(out.fused.perplexity),
+                _perplexity(out.unfused.perplexity),
+                _rise(out.fp32_perplexity, out.fused.perplexity),
+                style=style,
+            )
         if "top1" in rows:
             agreement_change = ""
             if out.fused.agreement is not None and not labelled:
@@ -100,6 +125,16 @@ def render_table(result: EvalResult) -> Table:
                 _pct(out.fused.agreement),
                 _pct(out.unfused.agreement),
                 agreement_change,
+                style=style,
+            )
+        if "kl" in rows and out.scores_tokens:
+            table.add_row(
+                label,
+                "KL nats/token",
+                "-",
+                _kl(out.fused.kl),
+                _kl(out.unfused.kl),
+                "",
                 style=style,
             )
         if "sqnr" in rows:
@@ -150,6 +185,8 @@ def kind_notes(result: EvalResult) -> list[str]:
         if out.kind is None:
             continue
         what = "class scores" if out.kind == CLASS_SCORES else "dense values"
+        if out.scores_tokens:
+            what = f"next-token scores, {out.tokens} predicted tokens"
         hint = "" if out.kind == CLASS_SCORES else "; --rows top1 adds top-1 agreement"
         notes.append(f"output {out.name!r}: {what} ({out.kind_evidence}){hint}")
     return notes

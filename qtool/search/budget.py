@@ -1,7 +1,8 @@
 """The budget a mixed-precision plan must meet, read as the evaluation gate of the same name.
 
-`max_drop` counts points of accuracy (or top-1 agreement) lost against float, exactly as
-`qtool evaluate --max-drop` does; `min_cosine` and `min_sqnr` are floors on the gated output.
+`max_drop` counts points of accuracy (or top-1 agreement) lost against float, or the percent
+perplexity gained over float's, exactly as `qtool evaluate --max-drop` does; `min_cosine` and
+`min_sqnr` are floors on the gated output.
 The same limit is also expressed in the analysis' penalty units (scoring.Metric.penalty), where
 the knapsack adds the per-node penalties up.
 """
@@ -12,8 +13,9 @@ import math
 from dataclasses import dataclass
 
 from qtool.errors import RecipeError
+from qtool.metrics.results import perplexity_rise
 from qtool.metrics.signal import db_from_noise_ratio, noise_ratio_from_db
-from qtool.metrics.spec import EvaluationSpec
+from qtool.metrics.spec import EvaluationSpec, default_metric
 from qtool.search.spec import MixedPrecisionSpec
 
 _GATES = ("max_drop", "min_cosine", "min_sqnr")
@@ -22,14 +24,15 @@ _METRIC_OF = {"min_cosine": "cosine", "min_sqnr": "sqnr"}
 
 @dataclass(frozen=True)
 class Budget:
-    metric: str  # accuracy | agreement | cosine | sqnr (scoring.METRICS)
+    metric: str  # accuracy | agreement | perplexity | cosine | sqnr (scoring.METRICS)
     gate: str  # max_drop | min_cosine | min_sqnr
     limit: float
     source: str  # where the limit was read, for the output
 
     @property
     def penalty(self) -> float:
-        """The limit in penalty units: points, 1 - cosine, or noise-to-signal power."""
+        """The limit in penalty units: points (percent for perplexity), 1 - cosine, or
+        noise-to-signal power."""
         if self.gate == "max_drop":
             return self.limit
         if self.gate == "min_cosine":
@@ -40,6 +43,8 @@ class Budget:
         """Whether a measured metric value meets the budget (as the gate would judge it)."""
         if math.isnan(value):
             return False
+        if self.gate == "max_drop" and self.metric == "perplexity":
+            return perplexity_rise(float_value, value) <= self.limit
         if self.gate == "max_drop":
             return float_value - value <= self.limit
         return value >= self.limit
@@ -48,12 +53,16 @@ class Budget:
         """The metric value a penalty stands for (to print a predicted metric)."""
         if self.metric in ("accuracy", "agreement"):
             return float_value - penalty
+        if self.metric == "perplexity":
+            return float_value * (1.0 + penalty / 100.0)
         if self.metric == "cosine":
             return 1.0 - penalty
         return db_from_noise_ratio(penalty)
 
     def describe(self) -> str:
-        if self.gate == "max_drop":
+        if self.gate == "max_drop" and self.metric == "perplexity":
+            what = f"perplexity rise <= {self.limit:g}%"
+        elif self.gate == "max_drop":
             what = f"{self.metric} drop <= {self.limit:g} points"
         elif self.gate == "min_cosine":
             what = f"cosine >= {self.limit:g}"
@@ -76,8 +85,9 @@ def resolve_budget(
 ) -> Budget:
     """The budget of `mixed_precision.budget`, else the first evaluation gate (max_drop, then
     min_cosine, then min_sqnr: the order `qtool analyze` picks its metric in). A max_drop counts
-    the budget's metric, else evaluation.metric, else accuracy with labels and agreement without,
-    as `qtool evaluate` does. `where` names the recipe, for errors."""
+    the budget's metric, else evaluation.metric, else perplexity on text, accuracy with other
+    labels and agreement without, as `qtool evaluate` does. `where` names the recipe, for
+    errors."""
     if spec is not None and spec.budget is not None:
         budget, source = spec.budget, "mixed_precision.budget"
         metric = budget.metric
@@ -91,10 +101,10 @@ def resolve_budget(
         )
     limit = float(getattr(budget, gate))
     if gate == "max_drop":
-        metric = metric or evaluation.metric or ("accuracy" if labelled else "agreement")
-        if metric == "accuracy" and not labelled:
+        metric = metric or evaluation.metric or default_metric(evaluation.data, labelled)
+        if metric in ("accuracy", "perplexity") and not labelled:
             raise RecipeError(
-                f"{where}: {source}.max_drop counts accuracy, but the evaluation data has no "
+                f"{where}: {source}.max_drop counts {metric}, but the evaluation data has no "
                 "labels (set metric: agreement)"
             )
     else:

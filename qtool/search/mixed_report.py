@@ -20,6 +20,8 @@ from qtool.search.spec import MixedPrecisionSpec
 def _value(metric: str, value: float) -> str:
     if metric in ("accuracy", "agreement"):
         return f"{value:.2f}%"
+    if metric == "perplexity":
+        return f"{value:.3f}"
     if metric == "cosine":
         return f"{value:.5f}"
     return "inf dB" if math.isinf(value) else f"{value:.2f} dB"

@@ -185,6 +185,8 @@ def verify_and_promote(
 def _value(budget: Budget, value: float) -> str:
     if budget.metric in ("accuracy", "agreement"):
         return f"{budget.metric} {value:.2f}%"
+    if budget.metric == "perplexity":
+        return f"perplexity {value:.3f}"
     if budget.metric == "cosine":
         return f"cosine {value:.5f}"
     return f"SQNR {value:.2f} dB"

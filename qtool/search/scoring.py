@@ -5,7 +5,12 @@ Runtime deploys it, the model the gates judge) on the same batches and is compar
 accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would report on
 these samples. Each metric also has a *penalty* that is 0 for the float model and grows as the
 variant gets worse, in units where penalties of separate nodes roughly add up (points of
-accuracy or agreement, 1 - cosine, noise-to-signal power): the mixed-precision search sums them.
+accuracy or agreement, percent of perplexity gained, 1 - cosine, noise-to-signal power): the
+mixed-precision search sums them.
+
+Memory: the float model's gated output of every analysis batch is kept, for SQNR and cosine;
+for a decoder's logits that is window x vocabulary floats per sample (512 tokens of a 49k
+vocabulary: 100 MB), so an LLM is analysed on a few windows (`--samples`).
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import numpy as np
 from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError, RecipeError
 from qtool.metrics.labels import LabelAccuracy
+from qtool.metrics.results import perplexity_rise
 from qtool.metrics.signal import SignalQuality, noise_ratio_from_db
-from qtool.metrics.spec import EvaluationSpec
+from qtool.metrics.spec import EvaluationSpec, default_metric
+from qtool.metrics.tokens import TokenQuality
 from qtool.ort.sessions import create_session
 
-METRICS = ("accuracy", "agreement", "cosine", "sqnr")
+METRICS = ("accuracy", "agreement", "perplexity", "cosine", "sqnr")
 _UNITS = {
     "accuracy": "points of accuracy lost vs float",
     "agreement": "points of top-1 disagreement with float",
+    "perplexity": "percent of perplexity gained over float",
     "cosine": "1 - cosine to float",
     "sqnr": "noise-to-signal power ratio (10^(-SQNR/10))",
 }
@@ -46,12 +54,15 @@ class Metric:
 
     @property
     def value_unit(self) -> str:
-        return {"accuracy": "%", "agreement": "%", "cosine": "", "sqnr": "dB"}[self.name]
+        return {"accuracy": "%", "agreement": "%", "perplexity": "", "cosine": "", "sqnr": "dB"}[
+            self.name
+        ]
 
     def describe(self) -> str:
         what = {
             "accuracy": "accuracy",
             "agreement": "top-1 agreement with float",
+            "perplexity": "perplexity on the next-token labels",
             "cosine": "cosine to float",
             "sqnr": "SQNR vs float",
         }[self.name]
@@ -61,6 +72,8 @@ class Metric:
         """How much worse than float `value` is (0 for float itself; may be negative)."""
         if self.name in ("accuracy", "agreement"):
             return float_value - value
+        if self.name == "perplexity":
+            return perplexity_rise(float_value, value)
         if self.name == "cosine":
             return 1.0 - value
         return noise_ratio_from_db(value)
@@ -70,8 +83,8 @@ def choose_metric(
     evaluation: EvaluationSpec, labelled: bool, output: str, requested: str | None = None
 ) -> Metric:
     """The gate `qtool evaluate` would judge, one of them: an explicit metric (--metric, then
-    evaluation.metric) wins; then max_drop's metric, min_cosine, min_sqnr; else accuracy with
-    labels and top-1 agreement without."""
+    evaluation.metric) wins; then max_drop's metric, min_cosine, min_sqnr; else perplexity on
+    text, accuracy with other labels and top-1 agreement without."""
     if requested is not None:
         if requested not in METRICS:
             raise RecipeError(f"--metric: must be one of {', '.join(METRICS)}, got {requested!r}")
@@ -82,12 +95,15 @@ def choose_metric(
         name, source = "cosine", "evaluation.min_cosine"
     elif evaluation.max_drop is None and evaluation.min_sqnr is not None:
         name, source = "sqnr", "evaluation.min_sqnr"
-    elif labelled:
-        name, source = "accuracy", "the evaluation data has labels"
     else:
-        name, source = "agreement", "the evaluation data has no labels"
-    if name == "accuracy" and not labelled:
-        raise DataError(f"{source}: accuracy needs labels, but the evaluation data has none")
+        name = default_metric(evaluation.data, labelled)
+        source = {
+            "perplexity": "the evaluation data is text",
+            "accuracy": "the evaluation data has labels",
+            "agreement": "the evaluation data has no labels",
+        }[name]
+    if name in ("accuracy", "perplexity") and not labelled:
+        raise DataError(f"{source}: {name} needs labels, but the evaluation data has none")
     return Metric(name, output, source)
 
 
@@ -128,14 +144,18 @@ class Scorer:
         labelled = self.batches[0].labels is not None
         self.metric = choose_metric(evaluation, labelled, output, requested_metric)
         self.reference = [session.run([output], b.inputs)[0] for b in self.batches]
-        if self.metric.name in ("accuracy", "agreement") and self.reference[0].ndim < 2:
-            raise DataError(
-                f"output {output!r} has shape {self.reference[0].shape}: no class axis for "
-                f"{self.metric.name} ({self.metric.source}); analyze with --metric cosine"
-            )
+        if self.metric.name in ("accuracy", "agreement", "perplexity"):
+            if self.reference[0].ndim < 2:
+                raise DataError(
+                    f"output {output!r} has shape {self.reference[0].shape}: no class axis for "
+                    f"{self.metric.name} ({self.metric.source}); analyze with --metric cosine"
+                )
         self.samples = sum(len(b) for b in self.batches)
         self.labelled = self.metric.name == "accuracy"
-        if self.labelled:
+        self.tokens = self.metric.name == "perplexity"
+        if self.tokens:
+            self.float_value = self._perplexity(self.reference)
+        elif self.labelled:
             correct = sum(
                 int(np.count_nonzero(np.argmax(ref, axis=-1) == b.labels))
                 for ref, b in zip(self.reference, self.batches, strict=True)
@@ -147,11 +167,30 @@ class Scorer:
                 self.metric.name
             ]
 
+    def _perplexity(self, outputs: Sequence[np.ndarray]) -> float:
+        """Perplexity of the gated outputs of the analysis batches on their labels."""
+        scored = TokenQuality()
+        for out, batch in zip(outputs, self.batches, strict=True):
+            if batch.labels.shape != out.shape[:-1]:
+                raise DataError(
+                    f"labels of shape {batch.labels.shape} do not fit output "
+                    f"{self.metric.output!r} {out.shape}: perplexity needs one label per "
+                    "position (the text source's next tokens)"
+                )
+            scored.update(out, batch.labels)
+        value = scored.perplexity()
+        if value is None:
+            raise DataError(
+                f"{self.metric.source}: no position of the analysis batches has a label"
+            )
+        return value
+
     def score(self, model: bytes) -> Score:
         """Run `model` fused over the analysis batches and compare its gated output."""
         session = create_session(model, threads=self.threads, optimize=True)
         quality = SignalQuality(cosine="rows", top1=True)
         accuracy = LabelAccuracy()
+        tokens = TokenQuality()
         for ref, batch in zip(self.reference, self.batches, strict=True):
             out = session.run([self.metric.output], batch.inputs)[0]
             if out.shape != ref.shape:
@@ -162,8 +201,12 @@ class Scorer:
             quality.update(ref, out)
             if self.labelled:
                 accuracy.update(out, batch.labels)
+            if self.tokens:
+                tokens.update(out, batch.labels)
         sqnr_db, cosine = quality.sqnr_db(), quality.cosine()
-        if self.metric.name == "accuracy":
+        if self.metric.name == "perplexity":
+            value = tokens.perplexity()
+        elif self.metric.name == "accuracy":
             value = 100.0 * accuracy.value()
         elif self.metric.name == "agreement":
             value = 100.0 * quality.agreement()

@@ -122,6 +122,8 @@ def format_value(result: SensitivityResult, value: float) -> str:
         return "n/a"
     if name in ("accuracy", "agreement"):
         return f"{value:.2f}%"
+    if name == "perplexity":
+        return f"{value:.3f}"
     if name == "cosine":
         return f"{value:.5f}"
     return "inf dB" if math.isinf(value) else f"{value:.2f} dB"
@@ -130,7 +132,7 @@ def format_value(result: SensitivityResult, value: float) -> str:
 def format_penalty(result: SensitivityResult, penalty: float) -> str:
     if math.isnan(penalty):
         return "n/a"
-    if result.metric.name in ("accuracy", "agreement"):
+    if result.metric.name in ("accuracy", "agreement", "perplexity"):
         return f"{penalty + 0.0:+.2f}"
     mantissa, exponent = f"{penalty:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"

@@ -7,15 +7,17 @@ from dataclasses import dataclass
 # mixed_precision: what the search minimises, and the precisions it may give a node.
 MIXED_OBJECTIVES = ("size", "latency")
 
-MIXED_METRICS = ("accuracy", "agreement", "cosine", "sqnr")
+MIXED_METRICS = ("accuracy", "agreement", "perplexity", "cosine", "sqnr")
 
 
 @dataclass(frozen=True)
 class BudgetSpec:
     """The metric drop a mixed-precision plan may cost: exactly one limit is set, read as the
-    evaluation gate of the same name reads it (max_drop in points of accuracy or agreement)."""
+    evaluation gate of the same name reads it (max_drop in points of accuracy or agreement, or
+    in percent of perplexity gained)."""
 
-    metric: str | None = None  # None: accuracy with labels, else agreement (max_drop only)
+    # None: perplexity on text, accuracy with other labels, else agreement (max_drop only)
+    metric: str | None = None
     max_drop: float | None = None
     min_cosine: float | None = None
     min_sqnr: float | None = None
