@@ -22,6 +22,8 @@ from qtool.algorithms.spec import (
     ALGORITHM_ORDER,
     ALGORITHM_PARAMS,
     MAX_ADAROUND_ITERATIONS,
+    MAX_AWQ_GRID,
+    MAX_SCALE_STEPS,
     MAX_SMOOTHQUANT_ROWS,
     AlgorithmParams,
     Algorithms,
@@ -272,6 +274,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     calibration = _read_calibration(reader, top["calibration"], inputs)
     quantization = _read_quantization(reader, top.get("quantization", {}))
     algorithms = _read_algorithms(reader, top.get("quantization", {}).get("algorithms", []))
+    if algorithms.gptq is not None and not _uses_gptq(quantization):
+        raise reader.fail(
+            "quantization.algorithms.gptq",
+            "sets the parameters of weight method gptq, but no weight uses it (set "
+            "quantization.weights.method: gptq, or method gptq in an override)",
+        )
     evaluation = None
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
@@ -303,6 +311,11 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         qat,
         algorithms,
     )
+
+
+def _uses_gptq(quantization: QuantizationSpec) -> bool:
+    settings = [quantization.weights, *(o.weights for o in quantization.overrides)]
+    return any(s.method == "gptq" for s in settings)
 
 
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
@@ -661,6 +674,22 @@ def _read_algorithms(reader: _Reader, raw: Any) -> Algorithms:
                 )
             elif name == "cross_layer_equalization" and key in ("bias_absorption", "through_clip"):
                 params[key] = reader.boolean(value, f"{where}.{name}.{key}")
+            elif (name, key) == ("gptq", "act_order"):
+                params[key] = reader.boolean(value, f"{where}.{name}.{key}")
+            elif (name, key) == ("gptq", "damp"):
+                params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.0, 1.0)
+            elif (name, key) == ("scale_estimation", "min_factor"):
+                params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.05, 1.0)
+            elif (name, key) == ("scale_estimation", "refine"):
+                params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=0, maximum=10)
+            elif (name, key) == ("scale_estimation", "steps"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SCALE_STEPS
+                )
+            elif (name, key) == ("awq", "grid"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_AWQ_GRID
+                )
             elif (name, key) == ("adaround", "iterations"):
                 params[key] = reader.integer(
                     value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_ADAROUND_ITERATIONS
@@ -685,6 +714,14 @@ def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:
     if not 0.0 <= float(value) <= 1.0:
         raise reader.fail(where, f"must be in [0, 1], got {_show(value)}")
     return float(value)
+
+
+def _read_fraction(reader: _Reader, value: Any, where: str, low: float, high: float) -> float:
+    """A number in [low, high]."""
+    number = reader.number(value, where)
+    if not low <= number <= high:
+        raise reader.fail(where, f"must be in [{low:g}, {high:g}], got {_show(value)}")
+    return number
 
 
 def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:
@@ -724,7 +761,9 @@ def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
 
 
 def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
-    reader.mapping(raw, where, {"nodes", "op_types", "precision", "weights", "activations"})
+    reader.mapping(
+        raw, where, {"nodes", "op_types", "precision", "weights", "activations", "constant_weight"}
+    )
     nodes = raw.get("nodes", [])
     nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
     op_types = raw.get("op_types", [])
@@ -733,6 +772,9 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
     )
     if not nodes and not op_types:
         raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
+    constant_weight = raw.get("constant_weight")
+    if constant_weight is not None:
+        constant_weight = reader.boolean(constant_weight, f"{where}.constant_weight")
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
     precision = raw.get("precision")
     if precision is not None:
@@ -754,6 +796,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         activations=None
         if activations is None
         else reader.choice(activations, f"{where}.activations", ACTIVATION_PRECISIONS),
+        constant_weight=constant_weight,
     )
 
 

@@ -43,9 +43,9 @@ def prepare(
     """Load, export if needed, prepare, equalize (when asked), freeze and plan: nothing is
     written yet except the staging of a model over protobuf's limit."""
     min_opset = planning.min_opset(source.opset, quantization)
-    model, source_sha = load_prepared(source, data.inputs, min_opset)
+    model, source_sha, source_bytes = load_prepared(source, data.inputs, min_opset)
     equalization = _equalize(model, quantization, cle, data) if cle is not None else None
-    frozen = freeze(model, float_path, source_sha)
+    frozen = freeze(model, float_path, source_sha, source_bytes)
     del model
     try:
         layout = planning.plan(frozen.model, quantization, activation_method, where)

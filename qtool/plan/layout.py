@@ -32,6 +32,7 @@ from qtool.plan.ops.registry import Entry, OpRule
 from qtool.plan.plan import NodePlan, Plan, WeightPlan
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import ActivationSlot, BiasSlot, WeightSlot
+from qtool.plan.tied import tie_weights
 
 # The slot types live in qtool/plan/slots.py (the op families build them); this is where the
 # rest of qtool imports them from.
@@ -48,6 +49,9 @@ class Layout:
     folded_clamps: dict[str, str] = field(default_factory=dict)
     # Weight -> the layer input whose Hessian (XᵀX over calibration) GPTQ needs for it.
     gptq_inputs: dict[str, str] = field(default_factory=dict)
+    # Every MatMul/Gemm weight -> its layer input (the node that planned it): where the Hessian
+    # methods that any weight may use (AWQ, scale estimation) find its Hessian.
+    weight_inputs: dict[str, str] = field(default_factory=dict)
 
     def stats_tensors(self) -> list[str]:
         return sorted({slot.stats_tensor for slot in self.activations.values()})
@@ -84,13 +88,16 @@ def plan_layout(
 ) -> Layout:
     """Decide every node's precision (the Plan) and the QDQ slots; `model` must be prepared."""
     graph = GraphIndex(model, float_tensors)
-    settings = resolve_node_settings(model, spec, recipe_path)
+    # A weight read by several nodes (a tied embedding) is stored once: its readers' settings
+    # are made to agree, and each leader is planned before the nodes that follow it.
+    tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path))
+    settings = tied.settings
     layout = Layout()
     wanted: list[str] = []  # activation tensors to quantize, in discovery order
     quantized_nodes: set[str] = set()
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
-    for node in graph.nodes:
+    for node in tied.order:
         chosen = settings[node.name]
         outcome = _quantize_node(node, graph, spec, chosen, layout)
         if isinstance(outcome, tuple):
@@ -99,7 +106,8 @@ def plan_layout(
             continue
         rule = outcome
         quantized_nodes.add(node.name)
-        weight = next((layout.weights[n] for n in node.input if n in layout.weights), None)
+        weight_name = graph.weight_of(node, layout.weights)
+        weight = layout.weights[weight_name] if weight_name is not None else None
         with_activations = _activations_int8(chosen, rule)
         precision = chosen.precision if weight is not None else "int8"
         entry = _entry(rule, spec, precision, with_activations)
@@ -119,8 +127,10 @@ def plan_layout(
                 activations="int8" if with_activations else "float",
             )
         )
-        if weight is not None and layout.plan[node.name].weight.method == "gptq":
-            layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
+        if weight is not None and rule.weights is not None and rule.weights.gptq:
+            layout.weight_inputs.setdefault(weight.tensor, node.input[0])
+            if layout.plan[node.name].weight.method == "gptq":
+                layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
         if not with_activations:
             continue
         wanted.extend(name for name in node.input if graph.is_float_activation(name))
@@ -147,7 +157,26 @@ def plan_layout(
         layout.activations[tensor] = ActivationSlot(tensor, source, _stats_root(tensor, graph))
 
     _annotate_float_nodes(layout, graph, spec.target)
+    _note_float_readers(layout, graph, tied.leaders)
+    layout.plan.nodes = {n.name: layout.plan[n.name] for n in graph.nodes}  # graph order
     return layout
+
+
+def _note_float_readers(layout: Layout, graph: GraphIndex, leaders: dict[str, str]) -> None:
+    """A float node reading a stored (quantized) weight reads its stored values: say so."""
+    for node in graph.nodes:
+        plan = layout.plan[node.name]
+        weight = graph.weight_of(node, layout.weights)
+        if plan.quantized or weight is None or plan.source == "tied":
+            continue
+        stored = layout.plan.weight_plans().get(weight)
+        if stored is None:
+            continue
+        leader = leaders.get(weight, "another node")
+        plan.reason += (
+            f"; reads weight '{weight}', stored once as node '{leader}' plans it "
+            f"(int{stored.bits}): the dequantized values"
+        )
 
 
 def _weight_plan(
@@ -230,7 +259,7 @@ def _quantize_node(
             layout.weights.setdefault(slots.weight.tensor, slots.weight)
         if slots.bias is not None:
             layout.biases.setdefault(slots.bias.tensor, slots.bias)
-        has_weight = any(name in layout.weights for name in node.input)
+        has_weight = graph.weight_of(node, layout.weights) is not None
         if not has_weight and chosen.activations == "float":
             return chosen.source, f"{chosen.reason}: activations float and no constant weight"
         return rule

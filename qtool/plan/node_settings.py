@@ -32,7 +32,7 @@ class NodeSettings:
     precision: str
     weights: WeightSettings
     activations: str
-    source: str  # "default", "excluded", "override", "not-listed"
+    source: str  # "default", "excluded", "override", "not-listed" (plan/tied.py: "tied")
     reason: str
 
 
@@ -77,7 +77,7 @@ def _no_match_error(
 
 
 def _check_patterns(
-    recipe_path: str, spec: QuantizationSpec, nodes: Sequence[onnx.NodeProto]
+    recipe_path: str, spec: QuantizationSpec, nodes: Sequence[onnx.NodeProto], weighted: set[str]
 ) -> None:
     names = [node.name for node in nodes]
     op_types = {node.op_type for node in nodes}
@@ -96,14 +96,31 @@ def _check_patterns(
                     f"{recipe_path}: {override.where}.op_types[{index}]: the model has no "
                     f"{op_type} node (it has {', '.join(sorted(op_types))})"
                 )
-        if not any(_selects(override, node) for node in nodes):
+        if not any(_selects(override, node, weighted) for node in nodes):
             raise RecipeError(
-                f"{recipe_path}: {override.where}: no node matches both its nodes and op_types"
+                f"{recipe_path}: {override.where}: no node matches all of its nodes, op_types "
+                "and constant_weight"
             )
 
 
-def _selects(override: Override, node: onnx.NodeProto) -> bool:
+def weighted_nodes(model: onnx.ModelProto) -> set[str]:
+    """Names of the nodes that read a constant float weight: an initializer, or a Transpose of
+    one (a tied lm_head), what an override's `constant_weight` selects on."""
+    floats = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    views = {
+        n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in floats
+    }
+    return {
+        node.name
+        for node in model.graph.node
+        if node.op_type != "Transpose" and any(i in floats or i in views for i in node.input)
+    }
+
+
+def _selects(override: Override, node: onnx.NodeProto, weighted: set[str]) -> bool:
     if override.op_types and node.op_type not in override.op_types:
+        return False
+    if override.constant_weight is not None and (node.name in weighted) != override.constant_weight:
         return False
     return not override.nodes or any(_matches(node.name, p) for p in override.nodes)
 
@@ -129,7 +146,12 @@ def resolve_node_settings(
 ) -> dict[str, NodeSettings]:
     """Node name -> its settings: defaults, then `exclude`, then every override in order."""
     nodes = list(model.graph.node)
-    _check_patterns(recipe_path, spec, nodes)
+    weighted = (
+        weighted_nodes(model)
+        if any(o.constant_weight is not None for o in spec.overrides)
+        else set()
+    )
+    _check_patterns(recipe_path, spec, nodes, weighted)
     listed = set(spec.op_types)
     settings: dict[str, NodeSettings] = {}
     for node in nodes:
@@ -148,7 +170,7 @@ def resolve_node_settings(
             reason = f"excluded by quantization.exclude pattern '{excluded_by}'"
         applied = []
         for override in spec.overrides:
-            if not _selects(override, node):
+            if not _selects(override, node, weighted):
                 continue
             applied.append(_describe(override))
             weights = weights.layered(override.weights)

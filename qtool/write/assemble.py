@@ -21,7 +21,7 @@ from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.int4 import BlockwiseWeight
-from qtool.write.low_bit import quantize_low_bit
+from qtool.write.low_bit import LowBitOptions, quantize_low_bit
 from qtool.write.params import ActivationParams, WeightParams, activation_params, quantize_bias
 from qtool.write.qdq import BiasParams
 from qtool.write.weight_format import choose_weight
@@ -69,21 +69,24 @@ def weight_parameters(
     cpu: CpuFeatures,
     device: str,
     hessians: dict[str, HessianAccumulator] | None = None,
+    options: LowBitOptions | None = None,
 ) -> dict[str, WeightParams | BlockwiseWeight]:
-    """Every planned weight in its stored form; `hessians` maps layer inputs (Layout.gptq_inputs)
-    to their calibration Hessians for the weights whose method is gptq."""
+    """Every planned weight in its stored form; `hessians` maps layer inputs
+    (Layout.weight_inputs) to their calibration Hessians, which method gptq and scale
+    estimation (`options`) round against."""
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
     integer = integer_kernel_weights(layout)
     hessians = hessians or {}
+    options = options if options is not None else LowBitOptions()
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
         array = numpy_helper.to_array(initializers[name])
         if name in integer:
             weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
         else:
-            hessian = hessians.get(layout.gptq_inputs.get(name, ""))
-            weights[name] = quantize_low_bit(array, slot, plans[name], hessian)
+            hessian = hessians.get(layout.weight_inputs.get(name, ""))
+            weights[name] = quantize_low_bit(array, slot, plans[name], hessian, options)
     return weights
 
 
