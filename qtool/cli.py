@@ -245,6 +245,45 @@ def stats_merge(
     )
 
 
+def _runtime_lines(report: dict) -> list[str]:
+    """What runs the model, in the words that hold for its target: ORT's CPU fusion as the
+    target's truth on ort-cpu; for TensorRT the placement check (and the engine where one was
+    built) first, and ORT's CPU fusion named as qtool's verifier, not TensorRT."""
+    lines = []
+    typed = report.get("float_type")
+    if typed:
+        counts = ", ".join(f"{n} {kind}" for kind, n in typed["nodes_by_type"].items())
+        kept = ", ".join(f"{rule} {n}" for rule, n in typed["kept_fp32"].items()) or "none"
+        lines.append(
+            f"float type {typed['float_type']}: nodes compute in {counts}; kept FP32 by rule: "
+            f"{kept}; {len(typed['casts'])} Casts at the boundaries allowed"
+        )
+    runtime = report["runtime"]
+    ort = (
+        f"runs {runtime['planned']} quantized nodes unfused only (float8: no fused CPU variant)"
+        if runtime.get("unfused_only")
+        else f"fuses {runtime['fused']} of {runtime['planned']} quantized nodes"
+    )
+    if runtime.get("emulated"):
+        ort += " (on the FP32 emulation of the BF16 file)"
+    if report["target"] == "ort-cpu":
+        return [*lines, f"ONNX Runtime (CPU provider) {ort}"]
+    trt = report.get("tensorrt")
+    if trt is not None:
+        placement = trt["placement"]
+        broken = sum(rule["violations"] for rule in placement["rules"])
+        verdict = "every rule holds" if placement["passed"] else f"{broken} violations"
+        lines.append(f"TensorRT placement, {placement['basis']}: {verdict}")
+        engine = trt["engine"]
+        if engine.get("built"):
+            types = ", ".join(f"{k} {v}" for k, v in engine["layers_by_output_type"].items())
+            lines.append(f"TensorRT {engine['tensorrt_version']} built the engine: layers {types}")
+        else:
+            lines.append(f"TensorRT engine not built: {engine['why']}")
+    lines.append(f"ONNX Runtime CPU check (qtool's verifier, not {report['target']}): {ort}")
+    return lines
+
+
 @app.command(cls=_Command)
 @user_errors
 def quantize(
@@ -272,21 +311,26 @@ def quantize(
     with showing(progress):
         result = run_quantize(loaded, stats, progress=progress, auto=auto)
     summary = result.report["summary"]
+    ops = ", ".join(f"{k} {v}" for k, v in summary["quantized_by_op_type"].items())
     console.print(
         f"quantized {summary['quantized_nodes']} of {summary['nodes']} nodes "
-        f"({', '.join(f'{k} {v}' for k, v in summary['quantized_by_op_type'].items())}; "
-        f"method {loaded.calibration.method}, target {loaded.quantization.target})",
+        f"({ops + '; ' if ops else ''}method {loaded.calibration.method}, target "
+        f"{loaded.quantization.target})",
         highlight=False,
     )
-    runtime = result.report["runtime"]
-    console.print(
-        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
-        f"nodes; weights for {result.report['cpu']['description']}: "
-        + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
-        highlight=False,
-    )
+    for line in _runtime_lines(result.report):
+        console.print(line, highlight=False, markup=False)
+    if summary["weight_formats"]:
+        console.print(
+            f"weights for {result.report['cpu']['description']}: "
+            + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
+            highlight=False,
+        )
+    ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "
     for group, entry in result.report["low_bit"].items():
-        console.print(f"{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False)
+        console.print(
+            f"{ort_words}{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False
+        )
     speed = result.report.get("low_bit_speed")
     if speed:
         console.print(
@@ -361,12 +405,8 @@ def qat(
         f"(one output step {same['output_step']:.3g})",
         highlight=False,
     )
-    runtime = result.report["runtime"]
-    console.print(
-        f"ONNX Runtime (CPU provider) fuses {runtime['fused']} of {runtime['planned']} quantized "
-        "nodes",
-        highlight=False,
-    )
+    for line in _runtime_lines(result.report):
+        console.print(line, highlight=False, markup=False)
     for warning in result.warnings:
         errors.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"model  -> {result.model_path}\nreport -> {result.report_path}", highlight=False)
@@ -473,7 +513,13 @@ def evaluate(
     """
     from qtool.app.evaluate import EvaluateOptions
     from qtool.app.evaluate import run as run_evaluation
-    from qtool.metrics.tables import fused_unfused_notes, kind_notes, low_bit_notes, render_table
+    from qtool.metrics.tables import (
+        fused_unfused_notes,
+        kind_notes,
+        low_bit_notes,
+        render_table,
+        unfused_only_notes,
+    )
 
     options = EvaluateOptions(
         output=output,
@@ -494,7 +540,8 @@ def evaluate(
         evaluation = run_evaluation(options, recipe, output_dir, fp32, quant, data, batch_size)
     result = evaluation.result
     console.print(render_table(result))
-    for note in [*kind_notes(result), *fused_unfused_notes(result), *low_bit_notes(result)]:
+    notes = [*unfused_only_notes(result), *kind_notes(result), *fused_unfused_notes(result)]
+    for note in [*notes, *low_bit_notes(result)]:
         console.print(note, highlight=False, markup=False)
     for warning in result.warnings:
         errors.print(

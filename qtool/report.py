@@ -12,13 +12,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from qtool import __version__
 from qtool.calibration.spec import CalibrationSpec
 from qtool.io import atomic_write_bytes
 from qtool.ort.cpu import CpuFeatures
-from qtool.plan.layout import Layout
+from qtool.plan.layout import Layout, slot_key
 from qtool.plan.plan import Plan, WeightPlan
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.int4 import BlockwiseWeight
@@ -59,37 +60,42 @@ def _tensor_entries(
     weights: dict[str, WeightParams | BlockwiseWeight],
     method: str,
     activation_dtype: str,
+    pairs: str,
 ) -> list[dict]:
+    """The node's quantized inputs; `pairs` is the type of the pairs it reads (int8, fp8)."""
     tensors = []
     for name in inputs:
-        if name in activations:
-            params = activations[name]
+        key = slot_key(name, pairs) if pairs in ("int8", "fp8") else name
+        if key in activations:
+            params = activations[key]
+            fp8 = pairs == "fp8"
             tensors.append(
                 {
                     "tensor": name,
                     "role": "activation",
-                    "dtype": activation_dtype,
+                    "dtype": "float8e4m3fn" if fp8 else activation_dtype,
                     "range": [float(params.low), float(params.high)],
                     "scale": float(params.scale),
-                    "zero_point": int(params.zero_point),
+                    "zero_point": float(params.zero_point) if fp8 else int(params.zero_point),
                     "method": method,
-                    "stats_tensor": layout.activations[name].stats_tensor,
+                    "stats_tensor": layout.activations[key].stats_tensor,
                 }
             )
         elif name in weights and isinstance(weights[name], BlockwiseWeight):
             tensors.append(_low_bit_entry(name, weights[name], layout.plan.weight_plans()[name]))
         elif name in weights:
             params = weights[name]
+            fp8 = params.values.dtype == ml_dtypes.float8_e4m3fn
             tensors.append(
                 {
                     "tensor": name,
                     "role": "weight",
-                    "dtype": str(params.values.dtype),
+                    "dtype": "float8e4m3fn" if fp8 else str(params.values.dtype),
                     "granularity": "per-channel" if params.axis is not None else "per-tensor",
                     "axis": params.axis,
                     "scale": _floats(params.scale),
-                    "zero_point": int(params.zero_point_array().reshape(-1)[0]),
-                    "method": "minmax (symmetric)",
+                    "zero_point": 0 if fp8 else int(params.zero_point_array().reshape(-1)[0]),
+                    "method": "amax / 448" if fp8 else "minmax (symmetric)",
                 }
             )
         elif name in layout.biases:
@@ -135,6 +141,7 @@ def build_report(
                 weights,
                 calibration.method,
                 activation_dtype,
+                node.activations,
             )
         nodes.append(entry)
     quantized = layout.plan.quantized()
@@ -177,7 +184,8 @@ def low_bit_runtime(plan: Plan) -> dict:
     """
     groups: dict[str, dict] = {}
     for node in plan.quantized():
-        if node.weight is None or (node.precision != "int4" and node.activations == "int8"):
+        # 4-bit and weight-only nodes; FP8 nodes have FP8 activations, they are not weight-only
+        if node.weight is None or (node.precision != "int4" and node.activations != "float"):
             continue
         key = f"{node.precision} {node.op_type}"
         entry = groups.setdefault(key, {"nodes": 0, "fused": 0, "runs_as": {}})

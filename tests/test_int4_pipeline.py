@@ -227,6 +227,45 @@ def test_tensorrt_target_writes_standard_dequantize_gather(tmp_path, cli):
     assert dq.input[0] == "table_quantized" and helper.get_attribute_value(dq.attribute[0]) == 0
 
 
+def test_int8_consumer_of_a_fused_gather_reads_its_pair(tmp_path, cli):
+    """ort-cpu, int8: the Gather becomes GatherBlockQuantized and the MatMul reading the gathered
+    rows is int8, so the Q/DQ pair on the rows must follow the fused Gather (the writer once
+    skipped it, and onnx.checker refused the graph as not topologically sorted)."""
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(50, 64)).astype(np.float32)
+    weight = rng.normal(size=(64, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+            helper.make_node("MatMul", ["emb", "w"], ["y"], name="proj"),
+        ],
+        "emb",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 6]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 32])],
+        initializer=[numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    recipe = _write_recipe(tmp_path, {"op_types": ["Gather", "MatMul"]}, model="m.onnx")
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.output
+    model = onnx.load(str(tmp_path / "out" / "model.int8.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    order = [n.name for n in model.graph.node]
+    assert order.index("embed") < order.index("emb_QuantizeLinear") < order.index("proj")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    nodes = {n["name"]: n for n in report["nodes"]}
+    assert nodes["proj"]["activations"] == "int8" and nodes["embed"]["precision"] == "int8"
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.int8.onnx"))
+    ids = np.array([[0, 3, 49, 7, 7, 1]], dtype=np.int64)
+    y = session.run(["y"], {"ids": ids, "x": np.zeros((1, 64), np.float32)})[0]
+    reference = table[ids] @ weight
+    assert 10 * np.log10((reference**2).sum() / ((y - reference) ** 2).sum()) > 30
+
+
 def _embedding_model(path: Path) -> np.ndarray:
     """ids -> Gather(table [50, 64]) (+ x) -> MatMul(W [64, 32]) -> y; `emb` is an output too."""
     rng = np.random.default_rng(0)

@@ -71,3 +71,16 @@ def test_negative_penalties_are_not_spent_and_order_is_deterministic():
     assert solve(options, 0.5) == plan
     with pytest.raises(ValueError):
         solve(options, -1.0)
+
+
+def test_an_infinite_penalty_never_fits_and_a_zero_budget_admits_no_positive_penalty():
+    options = {
+        "broken": [Choice("float", 4, 0.0), Choice("int8", 1, math.inf)],
+        "tiny": [Choice("float", 4, 0.0), Choice("int8", 1, 1e-12)],
+    }
+    plan = solve(options, 1.0)
+    assert plan["broken"].precision == "float" and plan["tiny"].precision == "int8"
+    zero = solve(options, 0.0)
+    assert zero["broken"].precision == "float" and zero["tiny"].precision == "float"
+    with pytest.raises(ValueError, match="NaN"):
+        solve({"a": [Choice("int8", 1, math.nan)]}, 1.0)

@@ -38,6 +38,9 @@ from qtool.plan.ops import (
 from qtool.plan.ops.elementwise import binary_op_rule
 from qtool.plan.ops.forms import activation_entries
 from qtool.plan.ops.registry import (
+    BF16,
+    FP8,
+    FP16,
     INT4_WEIGHT_ONLY,
     INT8,
     INT8_WEIGHT_ONLY,
@@ -87,7 +90,11 @@ def test_every_quantizable_op_type_has_entries_for_every_target() -> None:
     for op_type in quantizable_op_types():
         found = rule(op_type)
         precisions = {target: set(found.precisions(target)) for target in TARGETS}
-        assert precisions["ort-cpu"] and precisions["ort-cpu"] == precisions["tensorrt"], op_type
+        # the same precisions on every target, as far as the target offers them (FP8 and BF16
+        # are TensorRT's)
+        shared = set(ORT_CPU.precisions) & set(TARGETS["tensorrt"].precisions)
+        assert precisions["ort-cpu"] and precisions["ort-cpu"] == precisions["tensorrt"] & shared
+        assert precisions["ort-cpu"] <= set(ORT_CPU.precisions), op_type
         for (target, precision), entry in found.entries.items():
             assert precision in PRECISIONS and entry.op_types and entry.written, (op_type, target)
             if precision.endswith("/float"):  # weight-only: the verifier says why it runs float
@@ -98,10 +105,12 @@ def test_the_registry_knows_what_the_layout_can_plan() -> None:
     """Weighted ops at every weight precision with and without int8 activations, weightless ops
     at int8 only, embeddings weight-only only."""
     for op_type in ("Conv", "Gemm", "MatMul"):
-        assert set(rule(op_type).precisions("ort-cpu")) == set(PRECISIONS)
+        assert set(rule(op_type).precisions("ort-cpu")) == set(ORT_CPU.precisions)
+        assert set(rule(op_type).precisions("tensorrt")) == set(PRECISIONS)
     for op_type in ("Add", "Mul", "Concat", "GlobalAveragePool", "AveragePool"):
-        assert rule(op_type).precisions("tensorrt") == (INT8,)
-    assert set(rule("Gather").precisions("ort-cpu")) == {INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY}
+        # quantized at int8 only (no FP8 form: no FP8 kernel to feed); typed FP16/BF16 as any op
+        assert set(rule(op_type).precisions("tensorrt")) == {INT8, FP16, BF16}
+    assert set(rule("Gather").precisions("ort-cpu")) == {INT8_WEIGHT_ONLY, INT4_WEIGHT_ONLY, FP16}
 
 
 def test_ort_kernels_of_every_rule_are_integer_kernels() -> None:
@@ -125,8 +134,8 @@ def test_unknown_lookups_fail_clearly() -> None:
         rule("Add").entry("ort-cpu", INT4_WEIGHT_ONLY)
     with pytest.raises(RegistryError, match="Relu .* is not quantized by qtool"):
         rule("Relu").entry("ort-cpu", INT8)
-    with pytest.raises(RegistryError, match="no precision 'fp16/fp16'"):
-        precision_key("fp16", "fp16")
+    with pytest.raises(RegistryError, match="no precision 'fp4/fp4'"):
+        precision_key("fp4", "fp4")
     with pytest.raises(RegistryError, match="has no reason for running in float"):
         rule("Add").entry("ort-cpu", INT8).not_fused_reason(None)
 
@@ -140,10 +149,18 @@ def test_incomplete_rules_are_refused(registry) -> None:
         "Sub",
         "test",
         quantizable=True,
-        entries={("ort-cpu", "fp8/fp8"): entry, ("tensorrt", "fp8/fp8"): entry},
+        entries={("ort-cpu", "fp4/fp4"): entry, ("tensorrt", "fp4/fp4"): entry},
     )
-    with pytest.raises(RegistryError, match="'fp8/fp8' is not one of"):
+    with pytest.raises(RegistryError, match="'fp4/fp4' is not one of"):
         register(unknown_precision)
+    not_offered = OpRule(
+        "Sub",
+        "test",
+        quantizable=True,
+        entries={("ort-cpu", FP8): entry, ("tensorrt", FP8): entry},
+    )
+    with pytest.raises(RegistryError, match="target ort-cpu does not offer fp8/fp8"):
+        register(not_offered)
     with pytest.raises(RegistryError, match="Conv already has a rule"):
         register(rule("Conv"))
     with pytest.raises(RegistryError, match="no rule to remove"):

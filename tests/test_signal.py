@@ -20,6 +20,7 @@ from qtool.metrics.signal import (
     json_float,
     noise_ratio_from_db,
     sqnr_db,
+    top1_margins,
 )
 
 
@@ -92,14 +93,42 @@ def test_merge_equals_one_stream(pairs) -> None:
         merged.merge(SignalQuality())
 
 
+def test_margin_noise_is_the_mean_squared_change_of_the_reference_top1_margin(pairs) -> None:
+    quality = SignalQuality(margin=True)
+    parts = [SignalQuality(margin=True) for _ in pairs]
+    changes = []
+    for (ref, test), part in zip(pairs, parts, strict=True):
+        quality.update(ref, test)
+        part.update(ref, test)
+        for r, t in zip(ref.astype(np.float64), test.astype(np.float64), strict=True):
+            top, runner = np.argsort(-r, kind="stable")[:2]
+            changes.append((t[top] - t[runner]) - (r[top] - r[runner]))
+    assert quality.margin_noise() == pytest.approx(float(np.mean(np.square(changes))), rel=1e-12)
+    merged = SignalQuality(margin=True)
+    for part in parts:
+        merged.merge(part)
+    assert merged.margin_noise() == quality.margin_noise()
+    # A shift of every class score by the same amount moves no margin.
+    shifted = SignalQuality(margin=True)
+    shifted.update(pairs[0][0], pairs[0][0] + 5.0)
+    assert shifted.margin_noise() == pytest.approx(0.0, abs=1e-9) and shifted.noise > 0
+    ref = pairs[0][0].astype(np.float64)
+    ordered = np.sort(ref, axis=1)
+    assert np.allclose(top1_margins(ref), ordered[:, -1] - ordered[:, -2])
+    assert np.allclose(top1_margins(ref.reshape(1, *ref.shape)), top1_margins(ref))
+
+
 def test_edge_cases() -> None:
     zeros = np.zeros((2, 3), np.float32)
     exact = SignalQuality(cosine="rows", top1=True)
     exact.update(zeros, zeros)
     assert exact.sqnr_db() == math.inf and exact.cosine() == 1.0 and exact.agreement() == 1.0
-    vector = SignalQuality(top1=True)
+    vector = SignalQuality(top1=True, margin=True)
     vector.update(np.ones(4), np.zeros(4))  # rank 1: no class axis
     assert vector.agreement() is None and vector.sqnr_db() == 0.0
+    assert vector.margin_noise() is None
+    with pytest.raises(ValueError, match="class axis of 2"):
+        top1_margins(np.ones((3, 1)))
     assert sqnr_db(0.0, 1.0) == -math.inf
     with pytest.raises(ValueError, match="no cosine"):
         SignalQuality().cosine()

@@ -170,6 +170,12 @@ def adaround_targets(
         if plan.op_type == "Gather":
             skipped[plan.name] = "embedding table: no layer output to reconstruct"
             continue
+        if plan.precision == "fp8":
+            raise RecipeError(
+                f"{where}: node '{plan.name}' has fp8 weights (amax / 448 per channel); "
+                "adaround rounds int8 weights only (drop adaround, or give the node precision "
+                "int8)"
+            )
         if weight.bits != 8 or weight.block_size is not None:
             raise RecipeError(
                 f"{where}: node '{plan.name}' has {weight.bits}-bit {weight.granularity} "

@@ -191,7 +191,7 @@ def _fold_target(
 ) -> tuple[str, str, str] | None:
     """Where 1/s can go for free: ("constant", Mul node, its constant input) or ("columns",
     MatMul node, its weight); None: an explicit Mul is needed."""
-    quantized_tensors = set(layout.activations) | {
+    quantized_tensors = {s.tensor for s in layout.activations.values()} | {
         s.stats_tensor for s in layout.activations.values()
     }
     outputs = {o.name for o in graph.output}

@@ -50,7 +50,7 @@ from qtool.calibration.observers import TensorStats
 from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError, RecipeError
 from qtool.metrics.signal import SignalQuality, db_from_noise_ratio
-from qtool.plan.layout import Layout
+from qtool.plan.layout import Layout, slot_key
 from qtool.write.params import activation_params, quantize_weight
 
 __all__ = [
@@ -425,7 +425,9 @@ def _derived_stats(
 
     Carries exact min/max and no histogram (an empty one): only min-max ranges are taken from
     it, which check_method guarantees."""
-    slot = layout.activations.get(group.input)
+    slot = layout.activations.get(group.input) or layout.activations.get(
+        slot_key(group.input, "fp8")
+    )
     if slot is None or slot.stats_tensor not in stats:
         raise CalibrationError(
             f"SmoothQuant: no calibration statistics for '{group.input}' (re-run `qtool "

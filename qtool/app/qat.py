@@ -83,6 +83,14 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
             f"{recipe.path}: quantization.algorithms [{names}]: qtool qat trains the weights "
             "and biases itself and runs no PTQ algorithm; remove them from the QAT recipe"
         )
+    quantization = recipe.quantization
+    asked = quantization.precisions_asked() & {"fp8", "fp16", "bf16"}
+    if asked or quantization.float_type != "fp32":
+        what = ", ".join(sorted(asked)) or f"float_type {quantization.float_type}"
+        raise RecipeError(
+            f"{recipe.path}: quantization ({what}): qtool qat trains int8 and int4 fake "
+            "quantization; FP8 and the FP16/BF16 typing are written by `qtool quantize`"
+        )
     qat = recipe.qat or QatSpec()
     train = qat.data or recipe.calibration.data
     if train.text is not None:

@@ -55,6 +55,10 @@ def _power_of_two_above(value: float) -> float:
     return result
 
 
+# The largest power of two a float32 histogram range can take.
+_TOP_RANGE = 2.0**127
+
+
 class HistogramObserver:
     """Running min/max plus a range-doubling histogram of one activation tensor."""
 
@@ -91,7 +95,15 @@ class HistogramObserver:
         if magnitude == 0.0:  # only while R is still 0: observe counts zeros once R > 0
             self.zeros_pending += values.size
             return
-        self._grow(_power_of_two_above(magnitude))
+        if magnitude >= _TOP_RANGE:
+            # A tensor reaching float32's own limit (an attention mask of finfo.min, observed
+            # for the FP16 typing pass): the histogram stops at 2^127, its edge bins take the
+            # rest; min and max above are exact.
+            edge = np.nextafter(np.float32(_TOP_RANGE), np.float32(0))
+            values = np.clip(values, -edge, edge)
+            self._grow(_TOP_RANGE)
+        else:
+            self._grow(_power_of_two_above(magnitude))
         *_, accumulated = kernels.observe(values, self.half_range, self.counts, device=self.device)
         if not accumulated:
             raise CalibrationError(

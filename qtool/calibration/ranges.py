@@ -16,6 +16,12 @@ from qtool.calibration.observers import TensorStats
 from qtool.errors import CalibrationError
 
 
+def one_sided_histogram(stats: TensorStats) -> tuple[np.ndarray, float]:
+    """The histogram of |x| over [0, R], trimmed to the data's extent, and its bin width (the
+    FP8 range search, calibration/fp8_range.py, reads it as the symmetric int8 search does)."""
+    return _one_sided(stats, absolute=True)
+
+
 def _one_sided(stats: TensorStats, absolute: bool) -> tuple[np.ndarray, float]:
     """Histogram over [0, R] (of |x|, or of the positive half), trimmed to the data's extent."""
     half = len(stats.counts) // 2

@@ -53,9 +53,13 @@ from qtool.plan.settings import (
     ACTIVATION_PRECISIONS,
     BLOCK_SIZES,
     DEFAULT_OP_TYPES,
+    FLOAT_IO,
+    FLOAT_TYPES,
     INT4_FORMATS,
     PRECISIONS,
+    QUANTIZED_PRECISIONS,
     SATURATION_POLICIES,
+    TARGET_PRECISIONS,
     TARGETS,
     WEIGHT_GRANULARITIES,
     WEIGHT_METHODS,
@@ -99,8 +103,9 @@ class Recipe:
 
     @property
     def quant_model_path(self) -> Path:
-        """model.int8.onnx, or model.int4.onnx when the recipe asks for 4-bit weights anywhere."""
-        return self.outputs.quantized_model(self.quantization.uses_int4)
+        """model.int8.onnx, model.int4.onnx when the recipe asks for 4-bit weights anywhere,
+        model.fp8.onnx for FP8 Q/DQ, model.fp16.onnx for a recipe that only types the model."""
+        return self.outputs.quantized_model(self.quantization.model_tag)
 
     @property
     def stats_path(self) -> Path:
@@ -590,6 +595,9 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         "algorithms",
         "int4_format",
         "accuracy_level",
+        "precision",
+        "float_type",
+        "float_io",
     }
     reader.mapping(raw, "quantization", keys)
     op_types = _read_op_types(
@@ -621,7 +629,23 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             )
     accuracy_level = str(raw.get("accuracy_level", "auto"))
     reader.choice(accuracy_level, "quantization.accuracy_level", ACCURACY_LEVEL_CHOICES)
-    return QuantizationSpec(
+    precision = raw.get("precision")
+    if precision is not None:
+        precision = reader.choice(precision, "quantization.precision", QUANTIZED_PRECISIONS)
+        weights = _with_precision(reader, weights, precision, "quantization")
+    if precision == "fp8" and activations == "float":
+        raise reader.fail(
+            "quantization.activations",
+            "float contradicts precision fp8 (FP8 has no "
+            "weight-only form: its activations are fp8)",
+        )
+    float_type = reader.choice(
+        raw.get("float_type", "fp32"), "quantization.float_type", tuple(FLOAT_TYPES)
+    )
+    float_io = reader.choice(raw.get("float_io", "keep"), "quantization.float_io", FLOAT_IO)
+    if float_io != "keep" and float_type == "fp32":
+        raise reader.fail("quantization.float_io", "applies to a float_type other than fp32")
+    spec = QuantizationSpec(
         target=target,
         int4_format=int4_format,
         accuracy_level=accuracy_level,
@@ -639,7 +663,53 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
             _read_override(reader, entry, f"quantization.overrides[{i}]")
             for i, entry in enumerate(overrides)
         ),
+        precision=precision,
+        float_type=float_type,
+        float_io=float_io,
     )
+    _check_target_precisions(reader, spec)
+    return spec
+
+
+def _with_precision(
+    reader: _Reader, weights: WeightSettings, precision: str, where: str
+) -> WeightSettings:
+    """The weight settings a precision implies (int4: 4 bits, int8 and fp8: 8), refusing the
+    ones that contradict it; FP8 weights are amax / 448 per output channel, nothing else."""
+    bits = {"int4": 4, "int8": 8, "fp8": 8}.get(precision)
+    if bits is None:
+        return weights
+    if weights.bits is not None and weights.bits != bits:
+        raise reader.fail(
+            f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+        )
+    if precision == "fp8":
+        if weights.granularity == "block" or weights.block_size is not None:
+            raise reader.fail(
+                f"{where}.weights",
+                "fp8 weights have one scale per output channel (or per tensor), not blocks",
+            )
+        if weights.method not in (None, "minmax"):
+            raise reader.fail(
+                f"{where}.weights.method",
+                f"{weights.method} is for integer weights; fp8 weights are scaled by amax / 448",
+            )
+    return weights.layered(WeightSettings(bits=bits))
+
+
+def _check_target_precisions(reader: _Reader, spec: QuantizationSpec) -> None:
+    """FP8 and BF16 are TensorRT's: ORT's CPU provider has no BF16 kernels and cannot fuse
+    float8 Q/DQ, so a recipe for ort-cpu that asks for them is refused up front."""
+    offered = TARGET_PRECISIONS[spec.target]
+    asked = [("quantization.precision", spec.precision)]
+    asked.append(("quantization.float_type", FLOAT_TYPES[spec.float_type]))
+    asked += [(f"{o.where}.precision", o.precision) for o in spec.overrides]
+    for where, precision in asked:
+        if precision is not None and precision not in offered:
+            runs = ", ".join(t for t, p in TARGET_PRECISIONS.items() if precision in p)
+            raise reader.fail(
+                where, f"{precision} is not offered by target {spec.target} (it is for {runs})"
+            )
 
 
 def read_algorithms(raw: Any, source: str) -> Algorithms:
@@ -777,16 +847,16 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         constant_weight = reader.boolean(constant_weight, f"{where}.constant_weight")
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
     precision = raw.get("precision")
+    activations = raw.get("activations")
     if precision is not None:
         reader.choice(precision, f"{where}.precision", PRECISIONS)
-        bits = {"int4": 4, "int8": 8}.get(precision)
-        if weights.bits is not None and bits is not None and weights.bits != bits:
+        weights = _with_precision(reader, weights, precision, where)
+        if precision in FLOAT_TYPES.values() and ("weights" in raw or activations is not None):
             raise reader.fail(
-                f"{where}.weights.bits", f"{weights.bits} contradicts precision {precision!r}"
+                where, f"precision {precision} has no Q/DQ: weights and activations do not apply"
             )
-        if bits is not None:
-            weights = weights.layered(WeightSettings(bits=bits))
-    activations = raw.get("activations")
+        if precision == "fp8" and activations == "float":
+            raise reader.fail(f"{where}.activations", "float contradicts precision fp8")
     return Override(
         where=where,
         nodes=nodes,
@@ -869,11 +939,19 @@ def _read_mixed_precision(
             if name in candidates[:index]:
                 raise reader.fail(f"{key}[{index}]", f"{name!r} is listed twice")
         if not set(candidates) - {"float"}:
-            raise reader.fail(key, "needs int4 or int8 (float alone leaves nothing to choose)")
+            raise reader.fail(
+                key, "needs int4, int8, fp8, fp16 or bf16 (float alone leaves nothing to choose)"
+            )
         if "int4" in candidates and quantization.target == "tensorrt":
             raise reader.fail(
                 key, "int4 is not a candidate for target tensorrt (qtool writes int8 for it)"
             )
+        offered = TARGET_PRECISIONS[quantization.target]
+        for index, name in enumerate(candidates):
+            if name not in offered:
+                raise reader.fail(
+                    f"{key}[{index}]", f"{name} is not offered by target {quantization.target}"
+                )
         candidates = tuple(p for p in PRECISIONS if p in candidates)
     return MixedPrecisionSpec(
         objective=objective,

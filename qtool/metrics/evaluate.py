@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from qtool.errors import DataError, ModelError
@@ -53,8 +54,10 @@ from qtool.metrics.tokens import NextTokenComparison
 from qtool.model import provenance
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
-from qtool.ort.sessions import create_session
+from qtool.ort.float8 import unfused_only_reason
+from qtool.ort.sessions import as_declared, create_session
 from qtool.progress import bars
+from qtool.runtime.bf16_emulation import EMULATED, emulated, has_bf16
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.low_bit import low_bit_usage, written_accuracy_levels
 
@@ -75,23 +78,26 @@ def _progress(enabled: bool, total: int | None):
 class _OutputTally:
     """Everything accumulated for one output: each variant vs FP32 (with cosine and top-1), the
     fused variant vs the unfused one, label accuracy of each variant, the kind evidence, and,
-    on next-token labels, perplexity, next-token agreement and KL (metrics/tokens.py)."""
+    on next-token labels, perplexity, next-token agreement and KL (metrics/tokens.py).
+    `variants`: the variants run (unfused alone for a model with no fused CPU variant)."""
 
-    def __init__(self, tokens: bool = False) -> None:
-        self.quality = {v: SignalQuality(cosine="rows", top1=True) for v in VARIANTS}
+    def __init__(self, variants: Sequence[str] = VARIANTS, tokens: bool = False) -> None:
+        self.variants = tuple(variants)
+        self.quality = {v: SignalQuality(cosine="rows", top1=True) for v in self.variants}
         self.fused_vs_unfused = SignalQuality(top1=True)
-        self.accuracy = {v: LabelAccuracy() for v in VARIANTS}
+        self.accuracy = {v: LabelAccuracy() for v in self.variants}
         self.evidence = KindEvidence()
-        self.tokens = NextTokenComparison(VARIANTS) if tokens else None
+        self.tokens = NextTokenComparison(self.variants) if tokens else None
 
     def update(
         self, ref: np.ndarray, runs: Mapping[str, np.ndarray], labels: np.ndarray | None
     ) -> None:
-        for variant in VARIANTS:
+        for variant in self.variants:
             self.quality[variant].update(ref, runs[variant])
             if labels is not None:
                 self.accuracy[variant].update(runs[variant], labels)
-        self.fused_vs_unfused.update(runs["unfused"], runs["fused"])
+        if "fused" in runs:
+            self.fused_vs_unfused.update(runs["unfused"], runs["fused"])
         self.evidence.update(ref)
         if self.tokens is not None and labels is not None:
             self.tokens.update(ref, runs, labels)
@@ -101,7 +107,7 @@ class _OutputTally:
     ) -> OutputResult:
         tokens = self.tokens if labelled else None
         metrics = {}
-        for v in VARIANTS:
+        for v in self.variants:
             metrics[v] = VariantMetrics(
                 self.quality[v].sqnr_db(),
                 self.quality[v].cosine(),
@@ -120,7 +126,7 @@ class _OutputTally:
         scored_tokens = tokens is not None
         return OutputResult(
             name,
-            fused=metrics["fused"],
+            fused=metrics.get("fused"),
             unfused=metrics["unfused"],
             fp32_accuracy=fp32_accuracy,
             kind=kind.kind,
@@ -130,7 +136,9 @@ class _OutputTally:
             else chosen_rows(rows, labelled, scored_tokens),
             fused_vs_unfused=FusedVsUnfused(
                 gap.sqnr_db(), gap.changed() if gap.predictions else None, gap.predictions
-            ),
+            )
+            if "fused" in self.variants
+            else None,
             fp32_perplexity=None if tokens is None else tokens.fp32.perplexity(),
             tokens=None if tokens is None else tokens.fp32.tokens,
         )
@@ -175,17 +183,33 @@ def evaluate_models(
     )
     written_levels = dict(written_accuracy_levels(quant_proto))
     sizes = (model_bytes(fp32_path, fp32_proto), model_bytes(quant_path, quant_proto))
+    unfused_only = unfused_only_reason(quant_proto)
+    # ORT's CPU provider has no BF16 kernels: a BF16 file runs as its FP32 emulation.
+    emulation = EMULATED if has_bf16(quant_proto) else None
     del fp32_proto, quant_proto
+    runs: Path | bytes = quant_path
+    if emulation is not None:
+        runs = emulated(onnx.load(str(quant_path))).SerializeToString()
     ref_session = create_session(fp32_path, threads=threads)
     config = {} if accuracy_level is None else {ACCURACY_LEVEL_KEY: str(accuracy_level)}
-    low_bit = low_bit_usage(quant_path, config)
-    sessions = {
-        "fused": create_session(quant_path, threads=threads, optimize=True, config=config),
-        "unfused": create_session(quant_path, threads=threads, optimize=False),
-    }
+    plain = unfused_only is None and emulation is None
+    low_bit = low_bit_usage(quant_path, config) if plain else None
+    sessions = {"unfused": create_session(runs, threads=threads, optimize=False)}
+    if unfused_only is None:
+        try:
+            sessions["fused"] = create_session(runs, threads=threads, optimize=True, config=config)
+        except ModelError as exc:  # loads unfused (above), not with ORT's optimizations
+            unfused_only = (
+                f"ONNX Runtime's CPU graph optimizations cannot load this file ({exc}); it runs "
+                "unfused only (`qtool quantize` refuses such a file for ort-cpu, so it was "
+                "written for another target)"
+            )
+            low_bit = None
+    judged = "fused" if unfused_only is None else "unfused"
+    variants = tuple(v for v in VARIANTS if v in sessions)
     ref_specs = input_specs(ref_session, fp32_path)
-    q_specs = input_specs(sessions["fused"], quant_path)
-    names = output_names(ref_session, sessions["fused"], fp32_path, quant_path)
+    q_specs = input_specs(sessions[judged], quant_path)
+    names = output_names(ref_session, sessions[judged], fp32_path, quant_path)
     if output is None:
         output = names[0]
     elif output not in names:
@@ -194,7 +218,7 @@ def evaluate_models(
             f"(outputs: {', '.join(names)})"
         )
 
-    tallies = {name: _OutputTally(token_labels and name == output) for name in names}
+    tallies = {name: _OutputTally(variants, token_labels and name == output) for name in names}
     fp32_accuracy = LabelAccuracy()
     has_labels: bool | None = None
     first_inputs: Mapping[str, np.ndarray] | None = None
@@ -203,7 +227,9 @@ def evaluate_models(
         task = bar.add_task("batches", total=total)
         for index, (inputs, labels) in enumerate(batches, start=1):
             validate_inputs(inputs, ref_specs, fp32_path, index)
-            validate_inputs(inputs, q_specs, quant_path, index)
+            # a model written with float_io: float_type declares FP16 inputs: fed so
+            q_feed = as_declared(inputs, sessions[judged])
+            validate_inputs(q_feed, q_specs, quant_path, index)
             if has_labels is None:
                 has_labels = labels is not None
                 if not has_labels and labels_required_by is not None:
@@ -218,7 +244,7 @@ def evaluate_models(
             feed = dict(inputs)
             ref = dict(zip(names, ref_session.run(names, feed), strict=True))
             runs = {
-                v: dict(zip(names, s.run(names, feed), strict=True)) for v, s in sessions.items()
+                v: dict(zip(names, s.run(names, q_feed), strict=True)) for v, s in sessions.items()
             }
             if labels is not None:
                 if ref[output].ndim < 2:
@@ -237,7 +263,7 @@ def evaluate_models(
                         )
                 tallies[name].update(
                     ref[name],
-                    {v: runs[v][name] for v in VARIANTS},
+                    {v: runs[v][name] for v in variants},
                     labels if name == output else None,
                 )
             if first_inputs is None:
@@ -263,13 +289,13 @@ def evaluate_models(
 
     feed, latency_batch = latency_feed(first_inputs, [spec.shape for spec in ref_specs])
     (ref_med, ref_p90), (q_med, q_p90) = measure_latency(
-        [ref_session, sessions["fused"]], feed, latency_runs
+        [ref_session, sessions[judged]], feed, latency_runs
     )
     gated = next(o for o in outputs if o.name == output)
     return EvalResult(
         fp32=ModelMetrics(gated.fp32_accuracy, ref_med, ref_p90, sizes[0]),
-        quant=ModelMetrics(gated.fused.accuracy, q_med, q_p90, sizes[1]),
-        samples=tallies[names[0]].quality["fused"].rows,
+        quant=ModelMetrics(gated.judged.accuracy, q_med, q_p90, sizes[1]),
+        samples=tallies[names[0]].quality[judged].rows,
         outputs=outputs,
         output=output,
         latency_batch=latency_batch,
@@ -283,4 +309,6 @@ def evaluate_models(
         accuracy_level=accuracy_level,
         written_levels=written_levels,
         source_bytes=provenance.source_bytes(prov.get("recorded", {})),
+        unfused_only=unfused_only,
+        emulated=emulation,
     )

@@ -33,6 +33,8 @@ def fused_gap_warning(outputs: Iterable[OutputResult], cpu: CpuFeatures) -> Eval
     """
     gaps = []
     for out in outputs:
+        if out.fused is None:  # no fused variant: nothing to compare
+            continue
         fused, unfused = out.fused.sqnr_db, out.unfused.sqnr_db
         if math.isinf(fused) and math.isinf(unfused) and (fused > 0) == (unfused > 0):
             continue  # both exact (or both zero signal): no gap to speak of

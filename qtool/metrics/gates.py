@@ -1,6 +1,7 @@
 """CI gates on an evaluation: which limits hold, judged on the fused model.
 
-A gate is judged on the quantized model as ONNX Runtime fuses it, because that is what deploys;
+A gate is judged on the quantized model as ONNX Runtime fuses it, because that is what deploys
+(a float8 model has no fused CPU variant: its gates judge the unfused run, and say so);
 the unfused (QDQ) value is recorded beside it so a failure caused by the kernels rather than the
 quantization is visible. Each gate passes or fails on its own, so a report says which limit broke.
 A drop gate that would count top-1 agreement on an output that is not class scores
@@ -47,6 +48,7 @@ class GateResult:
     unfused_value: float  # for reference only
     limit: float
     passed: bool
+    model: str = "fused"  # the variant judged: unfused where there is no fused variant
 
     @property
     def title(self) -> str:
@@ -85,7 +87,7 @@ class GateResult:
             "gate": self.gate,
             "output": self.output,
             "metric": self.metric,
-            "model": "fused",
+            "model": self.model,
             "value": json_float(self.value),
             "unfused_value": json_float(self.unfused_value),
             "limit": self.limit,
@@ -100,20 +102,20 @@ def judge_gates(result: EvalResult, gates: Gates) -> list[GateResult]:
     an output evaluate found not to be class scores."""
     judged: list[GateResult] = []
     output = result.output
+    model = result.judged_variant
     if gates.max_drop is not None:
         metric = gates.metric or result.default_metric()
         if gates.metric is None and metric == "agreement" and result.gated().kind == DENSE:
             raise RecipeError(agreement_refusal(result, gates))
         drop = result.drop_points(metric)
         unfused = result.drop_points(metric, "unfused")
+        passed = drop <= gates.max_drop
         judged.append(
-            GateResult(
-                "max_drop", output, metric, drop, unfused, gates.max_drop, drop <= gates.max_drop
-            )
+            GateResult("max_drop", output, metric, drop, unfused, gates.max_drop, passed, model)
         )
     gated = result.gated()
     if gates.min_cosine is not None:
-        value = gated.fused.cosine
+        value = gated.judged.cosine
         judged.append(
             GateResult(
                 "min_cosine",
@@ -123,10 +125,11 @@ def judge_gates(result: EvalResult, gates: Gates) -> list[GateResult]:
                 gated.unfused.cosine,
                 gates.min_cosine,
                 value >= gates.min_cosine,
+                model,
             )
         )
     if gates.min_sqnr is not None:
-        value = gated.fused.sqnr_db
+        value = gated.judged.sqnr_db
         judged.append(
             GateResult(
                 "min_sqnr",
@@ -136,6 +139,7 @@ def judge_gates(result: EvalResult, gates: Gates) -> list[GateResult]:
                 gated.unfused.sqnr_db,
                 gates.min_sqnr,
                 value >= gates.min_sqnr,
+                model,
             )
         )
     return judged
@@ -147,7 +151,7 @@ def agreement_refusal(result: EvalResult, gates: Gates) -> str:
     return (
         f"{gates.max_drop_source}: output {gated.name!r} is not class scores "
         f"({gated.kind_evidence}): its top-1 agreement counts flips between near-equal values, "
-        f"not changed predictions (fused cosine {gated.fused.cosine:.5f}); gate it with "
-        "--min-cosine or --min-sqnr (evaluation.min_cosine / min_sqnr), or name the metric "
-        "(--metric agreement, evaluation.metric: agreement) to gate agreement anyway"
+        f"not changed predictions ({gated.judged_variant} cosine {gated.judged.cosine:.5f}); "
+        "gate it with --min-cosine or --min-sqnr (evaluation.min_cosine / min_sqnr), or name the "
+        "metric (--metric agreement, evaluation.metric: agreement) to gate agreement anyway"
     )

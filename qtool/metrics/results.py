@@ -76,7 +76,7 @@ class OutputResult:
     """
 
     name: str
-    fused: VariantMetrics
+    fused: VariantMetrics | None  # None: no fused variant (EvalResult.unfused_only says why)
     unfused: VariantMetrics
     fp32_accuracy: float | None = None
     kind: str | None = None
@@ -87,15 +87,27 @@ class OutputResult:
     fp32_perplexity: float | None = None
     tokens: int | None = None
 
-    def variant(self, name: str) -> VariantMetrics:
+    def variant(self, name: str) -> VariantMetrics | None:
         return self.fused if name == "fused" else self.unfused
 
     @property
     def scores_tokens(self) -> bool:
         return self.fp32_perplexity is not None
 
+    @property
+    def judged_variant(self) -> str:
+        """The variant gates judge: fused (what deploys on the CPU) where there is one, else
+        unfused (a float8 model, which ORT's CPU provider runs only unfused)."""
+        return "fused" if self.fused is not None else "unfused"
+
+    @property
+    def judged(self) -> VariantMetrics:
+        return self.fused if self.fused is not None else self.unfused
+
     def to_dict(self) -> dict:
-        def variant(m: VariantMetrics) -> dict:
+        def variant(m: VariantMetrics | None) -> dict | None:
+            if m is None:
+                return None
             entry = {
                 "accuracy": m.accuracy,
                 "agreement": m.agreement,
@@ -184,6 +196,15 @@ class EvalResult:
     # The user's model file the quantized model records it was made from (provenance), when it
     # does: its size is what "smaller" is measured against, besides the prepared FP32 file.
     source_bytes: int | None = None
+    # Why the quantized model has no fused variant on this CPU (float8 Q/DQ), or None; then the
+    # gates, the change column and the latency are the unfused run's.
+    unfused_only: str | None = None
+    # How a file the CPU cannot run was measured instead (BF16: an FP32 emulation), or None.
+    emulated: str | None = None
+
+    @property
+    def judged_variant(self) -> str:
+        return "unfused" if self.unfused_only is not None else "fused"
 
     def accuracy_level_note(self) -> str | None:
         """Which MatMulNBits compute the fused numbers came from, when MatMulNBits ran."""
@@ -219,21 +240,24 @@ class EvalResult:
 
     @property
     def agreement(self) -> float | None:
-        return self.gated().fused.agreement
+        return self.gated().judged.agreement
 
     @property
     def sqnr_db(self) -> float:
-        return self.gated().fused.sqnr_db
+        return self.gated().judged.sqnr_db
 
     @property
     def cosine(self) -> float:
-        return self.gated().fused.cosine
+        return self.gated().judged.cosine
 
-    def drop_points(self, metric: str, variant: str = "fused") -> float:
+    def drop_points(self, metric: str, variant: str | None = None) -> float:
         """Points lost on the gated output: accuracy (FP32 - quantized) or top-1 disagreement;
-        for perplexity, the percent it rose over FP32's."""
+        for perplexity, the percent it rose over FP32's. `variant` None: the judged one (fused,
+        or unfused where there is no fused variant)."""
         gated = self.gated()
-        measured = gated.variant(variant)
+        measured = gated.variant(variant) if variant is not None else gated.judged
+        if measured is None:
+            raise DataError(f"there is no {variant} variant: {self.unfused_only}")
         if metric == "perplexity":
             if gated.fp32_perplexity is None or measured.perplexity is None:
                 raise DataError(
@@ -264,7 +288,8 @@ class EvalResult:
         return self.drop_points(self.default_metric())
 
     def speedup(self) -> float:
-        """FP32 median latency over fused quantized median (> 1 means the quantized is faster)."""
+        """FP32 median latency over the quantized median (fused, or unfused where there is no
+        fused variant; > 1 means the quantized is faster)."""
         return self.fp32.latency_ms_median / self.quant.latency_ms_median
 
     def size_ratio(self) -> float:
@@ -294,8 +319,16 @@ class EvalResult:
             "gates": [g.to_dict() for g in gates],
             "passed": all(g.passed for g in gates),
             "warnings": [{"code": w.code, "message": w.message} for w in self.warnings],
+            "fused_variant": {
+                "available": self.unfused_only is None,
+                "why_not": self.unfused_only,
+                "judged": self.judged_variant,
+            },
+            "emulated": self.emulated,
             "latency": {
-                "compared": "fp32 vs quantized fused (ORT_ENABLE_ALL)",
+                "compared": "fp32 vs quantized fused (ORT_ENABLE_ALL)"
+                if self.unfused_only is None
+                else "fp32 vs quantized unfused (ORT_DISABLE_ALL: no fused variant)",
                 "batch": self.latency_batch,
                 "runs": self.latency_runs,
                 "fp32_ms": {

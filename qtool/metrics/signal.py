@@ -41,6 +41,28 @@ def noise_ratio_from_db(db: float) -> float:
     return 10.0 ** (-db / 10.0)
 
 
+def top_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the largest and the second largest value along the last axis of a 2-D
+    [predictions, classes] array (ties: the first index is the top one, the next the runner-up)."""
+    top = np.argmax(values, axis=-1)
+    rows = np.arange(values.shape[0])
+    others = np.array(values, dtype=np.float64, copy=True)
+    others[rows, top] = -np.inf
+    return top, np.argmax(others, axis=-1)
+
+
+def top1_margins(values: np.ndarray) -> np.ndarray:
+    """Per prediction (the last axis holds the class scores), the top score minus the runner-up's
+    in float64: how far the top-1 prediction is from changing. Needs two classes or more."""
+    scores = np.asarray(values, np.float64)
+    if scores.ndim < 2 or scores.shape[-1] < 2:
+        raise ValueError(f"top-1 margins need a class axis of 2 or more, got shape {scores.shape}")
+    flat = scores.reshape(-1, scores.shape[-1])
+    top, runner = top_two(flat)
+    rows = np.arange(flat.shape[0])
+    return flat[rows, top] - flat[rows, runner]
+
+
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine; two all-zero rows are identical (1), one all-zero row is orthogonal (0)."""
     dot = np.sum(a * b, axis=1)
@@ -63,16 +85,27 @@ class SignalQuality:
     - `top1=True`: agreement of the argmax over the last axis, for tensors of rank >= 2 (a rank-1
       tensor has no class axis: agreement stays None).
     - `peak=True`: the largest absolute difference.
+    - `margin=True`: the mean squared change of the top-1 margin (the reference's top class score
+      minus its runner-up's, both read in the test tensor too), for tensors whose last axis holds
+      two classes or more. Continuous where agreement is a step: a test tensor that changes no
+      prediction still moves the margins, and the mixed-precision search predicts the
+      predictions a noise of that size changes from it (qtool/search/flips.py).
     """
 
     def __init__(
-        self, *, cosine: CosineMode | None = None, top1: bool = False, peak: bool = False
+        self,
+        *,
+        cosine: CosineMode | None = None,
+        top1: bool = False,
+        peak: bool = False,
+        margin: bool = False,
     ) -> None:
         if cosine not in (None, "rows", "global"):
             raise ValueError(f"cosine must be None, 'rows' or 'global', got {cosine!r}")
         self.cosine_mode = cosine
         self.top1 = top1
         self.peak = peak
+        self.margin = margin
         self.signal = 0.0  # sum of reference^2
         self.noise = 0.0  # sum of (reference - test)^2
         self.elements = 0
@@ -83,6 +116,8 @@ class SignalQuality:
         self.agree = 0
         self.predictions = 0
         self.max_abs_diff = 0.0
+        self.margin_noise_sum = 0.0  # "margin": sum of squared top-1 margin changes
+        self.margin_predictions = 0
 
     def update(self, reference: np.ndarray, test: np.ndarray) -> None:
         """Add one batch; `test` has the shape of `reference`."""
@@ -107,10 +142,21 @@ class SignalQuality:
             self.predictions += int(top_ref.size)
         if self.peak and diff.size:
             self.max_abs_diff = max(self.max_abs_diff, float(np.abs(diff).max()))
+        if self.margin and ref64.ndim >= 2 and ref64.shape[-1] >= 2:
+            classes = ref64.shape[-1]
+            ref2, test2 = ref64.reshape(-1, classes), test64.reshape(-1, classes)
+            top, runner = top_two(ref2)
+            rows = np.arange(ref2.shape[0])
+            change = (test2[rows, top] - test2[rows, runner]) - (
+                ref2[rows, top] - ref2[rows, runner]
+            )
+            self.margin_noise_sum += float(np.sum(change * change))
+            self.margin_predictions += int(change.size)
 
     def merge(self, other: SignalQuality) -> SignalQuality:
         """Add `other`'s batches to this one (same measures), e.g. per-output into a total."""
-        if (other.cosine_mode, other.top1, other.peak) != (self.cosine_mode, self.top1, self.peak):
+        mine = (self.cosine_mode, self.top1, self.peak, self.margin)
+        if (other.cosine_mode, other.top1, other.peak, other.margin) != mine:
             raise ValueError("merge needs accumulators that measure the same things")
         self.signal += other.signal
         self.noise += other.noise
@@ -122,6 +168,8 @@ class SignalQuality:
         self.agree += other.agree
         self.predictions += other.predictions
         self.max_abs_diff = max(self.max_abs_diff, other.max_abs_diff)
+        self.margin_noise_sum += other.margin_noise_sum
+        self.margin_predictions += other.margin_predictions
         return self
 
     def sqnr_db(self) -> float:
@@ -145,6 +193,13 @@ class SignalQuality:
     def agreement(self) -> float | None:
         """Fraction of top-1 predictions that match; None without a class axis (or top1=False)."""
         return self.agree / self.predictions if self.predictions else None
+
+    def margin_noise(self) -> float | None:
+        """Mean squared change of the top-1 margin per prediction; None without a class axis of
+        two or more (or margin=False)."""
+        if not self.margin_predictions:
+            return None
+        return self.margin_noise_sum / self.margin_predictions
 
     def changed(self) -> int:
         """Top-1 predictions that differ from the reference's."""

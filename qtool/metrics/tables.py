@@ -70,22 +70,35 @@ def _shown_rows(out: OutputResult, result: EvalResult) -> tuple[str, ...]:
     return ("accuracy", "top1", "sqnr", "cosine") if labelled else ("top1", "sqnr", "cosine")
 
 
+def _fused(out: OutputResult, show) -> str:
+    """A fused cell: `show(metrics)`, or n/a where the model has no fused variant."""
+    return "n/a" if out.fused is None else show(out.fused)
+
+
 def render_table(result: EvalResult) -> Table:
     """The human summary: a row per output and metric, fused and unfused side by side.
 
     Fidelity metrics compare quantized to FP32, so their FP32 cell is '-'. The gated output's
-    rows are bold and its name is starred; "change" is the fused model's (what deploys).
+    rows are bold and its name is starred; "change" is the judged model's: fused (what
+    deploys), or unfused for a model that has no fused CPU variant (float8), said in the title.
     """
-    table = Table(
-        title=f"FP32 vs quantized ({result.samples} samples; fused = as ONNX Runtime runs it, "
+    judged = result.judged_variant
+    title = (
+        f"FP32 vs quantized ({result.samples} samples; fused = as ONNX Runtime runs it, "
         "unfused = QDQ semantics)"
     )
+    if result.unfused_only is not None:
+        title = (
+            f"FP32 vs quantized ({result.samples} samples; unfused = QDQ semantics, as ONNX "
+            "Runtime's CPU provider runs float8; no fused variant)"
+        )
+    table = Table(title=title)
     table.add_column("output")
     table.add_column("metric")
     table.add_column("FP32", justify="right")
     table.add_column("fused", justify="right")
     table.add_column("unfused", justify="right")
-    table.add_column("change (fused)", justify="right")
+    table.add_column(f"change ({judged})", justify="right")
 
     for out in result.outputs:
         gated = out.name == result.output and len(result.outputs) > 1
@@ -94,12 +107,12 @@ def render_table(result: EvalResult) -> Table:
         rows = _shown_rows(out, result)
         labelled = out.name == result.output and result.has_labels
         if "accuracy" in rows and labelled:
-            change = (out.fused.accuracy - out.fp32_accuracy) * 100.0
+            change = (out.judged.accuracy - out.fp32_accuracy) * 100.0
             table.add_row(
                 label,
                 "accuracy",
                 _pct(out.fp32_accuracy),
-                _pct(out.fused.accuracy),
+                _fused(out, lambda m: _pct(m.accuracy)),
                 _pct(out.unfused.accuracy),
                 _points(change),
                 style=style,
@@ -116,13 +129,13 @@ def render_table(result: EvalResult) -> Table:
             )
         if "top1" in rows:
             agreement_change = ""
-            if out.fused.agreement is not None and not labelled:
-                agreement_change = _points(-(1.0 - out.fused.agreement) * 100.0)
+            if out.judged.agreement is not None and not labelled:
+                agreement_change = _points(-(1.0 - out.judged.agreement) * 100.0)
             table.add_row(
                 label,
                 "top-1 agreement",
                 "-",
-                _pct(out.fused.agreement),
+                _fused(out, lambda m: _pct(m.agreement)),
                 _pct(out.unfused.agreement),
                 agreement_change,
                 style=style,
@@ -142,7 +155,7 @@ def render_table(result: EvalResult) -> Table:
                 label,
                 "SQNR dB",
                 "-",
-                format_db(out.fused.sqnr_db),
+                _fused(out, lambda m: format_db(m.sqnr_db)),
                 format_db(out.unfused.sqnr_db),
                 "",
                 style=style,
@@ -152,19 +165,19 @@ def render_table(result: EvalResult) -> Table:
                 label,
                 "cosine",
                 "-",
-                f"{out.fused.cosine:.5f}",
+                _fused(out, lambda m: f"{m.cosine:.5f}"),
                 f"{out.unfused.cosine:.5f}",
                 "",
                 style=style,
             )
     batch = "" if result.latency_batch == 1 else f" (batch {result.latency_batch})"
+    fused_only = result.unfused_only is None
     for label, ref, q in (
         ("latency median", result.fp32.latency_ms_median, result.quant.latency_ms_median),
         ("latency p90", result.fp32.latency_ms_p90, result.quant.latency_ms_p90),
     ):
-        table.add_row(
-            "", f"{label}{batch}", _ms(ref), _ms(q), "-", _compare(ref, q, "faster", "slower")
-        )
+        cells = (_ms(q), "-") if fused_only else ("n/a", _ms(q))
+        table.add_row("", f"{label}{batch}", _ms(ref), *cells, _compare(ref, q, "faster", "slower"))
     table.add_row(
         "",
         "file size",
@@ -185,6 +198,16 @@ def render_table(result: EvalResult) -> Table:
     if result.low_bit is not None and result.low_bit.total:
         table.add_row("", "low-bit weights", "-", result.low_bit.brief(), "-", "")
     return table
+
+
+def unfused_only_notes(result: EvalResult) -> list[str]:
+    """Why there is no fused column, and how a file the CPU cannot run was measured."""
+    notes = []
+    if result.unfused_only is not None:
+        notes.append(f"no fused variant: {result.unfused_only}")
+    if result.emulated is not None:
+        notes.append(f"emulated: {result.emulated}")
+    return notes
 
 
 def kind_notes(result: EvalResult) -> list[str]:

@@ -14,8 +14,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 from onnx import TensorProto, helper
@@ -255,3 +257,20 @@ def provider_status(timeout_s: float = 4.0) -> dict[str, str]:
         else:
             status[provider] = f"cannot run here ({_probe_reason(stderr, result.get('error'))})"
     return status
+
+
+# ONNX element types of the float inputs a typed model may declare (quantization.float_io).
+_FLOAT_INPUTS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def as_declared(feed: Mapping[str, np.ndarray], session: onnxruntime.InferenceSession) -> dict:
+    """`feed` with each float array in the float type `session` declares for that input: a
+    model written with `quantization.float_io: float_type` takes FP16 inputs where the data and
+    the FP32 model have FP32. Every other array (and a matching one) is passed as it is."""
+    declared = {i.name: _FLOAT_INPUTS.get(i.type) for i in session.get_inputs()}
+    converted = {}
+    for name, array in feed.items():
+        wanted = declared.get(name)
+        floating = isinstance(array, np.ndarray) and array.dtype in (np.float32, np.float16)
+        converted[name] = array.astype(wanted) if wanted and floating else array
+    return converted

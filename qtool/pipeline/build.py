@@ -37,11 +37,18 @@ from qtool.pipeline.statistics import Statistics
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
+from qtool.write.float_type import type_model
 from qtool.write.low_bit import LowBitOptions
 from qtool.write.matmul_nbits import nbits_level
 from qtool.write.params import ActivationParams
 from qtool.write.qdq import write_qdq_model
 from qtool.write.scale_estimation import ScaleSearch
+from qtool.write.typed_plan import (
+    largest_magnitudes,
+    needs_typing,
+    record_typing,
+    requested_types,
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class Built:
     nbits: int | None
     nbits_reason: str
     algorithms: dict = field(default_factory=dict)
+    # The typing pass's summary (write/float_type.py), when the model has a low float type.
+    float_type: dict | None = None
 
 
 def build_quantized(
@@ -199,10 +208,35 @@ def build_quantized(
                 lambda: settings.data.first_inputs(correction.samples),
             )
     node_inputs = {node.name: list(node.input) for node in model.graph.node}
+    float_type = None
+    asked, default = requested_types(layout.plan, spec.float_precision)
+    if needs_typing(asked, default):  # last: every step above measured the FP32 QDQ model
+        with phase(f"typing the float part ({spec.float_type})"):
+            node_io = {n.name: (list(n.input), list(n.output)) for n in model.graph.node}
+            typed = type_model(
+                quantized,
+                asked,
+                default,
+                node_io,
+                largest_magnitudes(stats, layout.typed_tensors),
+                keep_io=spec.float_io == "keep",
+            )
+        quantized = typed.model
+        record_typing(layout.plan, typed)
+        float_type = typed.summary(spec.float_type, spec.float_io)
     if float_model.staged is not None:  # its float weights are on disk, staged: no longer needed
         float_model.model = None
     return Built(
-        quantized, layout, activations, weights, node_inputs, cpu, nbits, nbits_reason, algorithms
+        quantized,
+        layout,
+        activations,
+        weights,
+        node_inputs,
+        cpu,
+        nbits,
+        nbits_reason,
+        algorithms,
+        float_type,
     )
 
 

@@ -16,12 +16,17 @@ from qtool.data.source import BatchSource
 from qtool.errors import ModelError, QtoolError
 from qtool.io import Staged
 from qtool.model import external_data, provenance
+from qtool.ort.float8 import unfused_only_reason
 from qtool.phases import phase
 from qtool.pipeline.build import Built
 from qtool.pipeline.float_model import FloatModel
+from qtool.plan.plan import Plan
 from qtool.report import ReportHeader, build_report
+from qtool.runtime.bf16_emulation import EMULATED, emulated, has_bf16
 from qtool.runtime.fusion import optimized_session
-from qtool.runtime.verify import Verification, verify
+from qtool.runtime.tensorrt_engine import engine_block
+from qtool.runtime.tensorrt_rules import check_placement
+from qtool.runtime.verify import Verification, verify, verify_unfused_only
 
 # Calibration samples the verify stage runs fused and unfused: a saturating kernel or a fusion
 # that computes differently shows on any batch (digits without VNNI: 19 against 45 dB, the warning
@@ -29,6 +34,39 @@ from qtool.runtime.verify import Verification, verify
 # benchmark: 0.35-0.5 of quantize's 3 CPU s above the inference floor at 8 samples).
 VERIFY_SAMPLES = 4
 VERIFY_THREADS = 1  # the fused-vs-unfused comparison is about numerics, not speed
+
+# Who the `runtime` block speaks for: ORT's CPU provider is qtool's verifier for every target,
+# and for TensorRT it says so rather than pass ORT's fusion off as TensorRT's.
+RUNS_ON = {
+    "ort-cpu": "ONNX Runtime, CPU execution provider (the target)",
+    "tensorrt": "ONNX Runtime, CPU execution provider: qtool's verifier, not TensorRT (see the "
+    "tensorrt block for TensorRT)",
+}
+
+
+def explained_fp32(plan: Plan, float_type: dict | None) -> dict[str, str]:
+    """Nodes that compute in FP32 in a model with a low float type, and the Casts the typing
+    pass wrote, each with why: what the TensorRT placement check accepts as a stated reason."""
+    explained = {}
+    for node in plan:
+        record = node.float_type or {}
+        if record.get("computes_in") == "fp32":
+            explained[node.name] = record.get("reason") or "precision float (FP32) asked"
+    for cast in (float_type or {}).get("casts", []):
+        explained[cast["node"]] = cast["why"]
+    return explained
+
+
+def tensorrt_warnings(block: dict) -> list[str]:
+    """A warning per placement violation, and one when TensorRT was there and refused the file."""
+    warnings = [
+        f"TensorRT rule {v['rule']} ({block['placement']['basis']}): {v['node']}: {v['detail']}"
+        for v in block["placement"]["violations"]
+    ]
+    engine = block["engine"]
+    if engine.get("failed"):
+        warnings.append(f"TensorRT did not build the model: {engine['why']}")
+    return warnings
 
 
 @dataclass
@@ -96,34 +134,46 @@ def verify_and_report(
     files (with whatever else the command writes) and discards the staging on failure."""
     quantized = built.model
     stamp_provenance(quantized, float_model, settings_sha256, data_sha256)
+    unfused_only = unfused_only_reason(quantized)
+    target = header.quantization.target
+    placement = None
+    if target == "tensorrt":
+        placement = check_placement(
+            quantized,
+            explained_fp32(built.layout.plan, built.float_type),
+            header.quantization.float_type,
+        )
+    engine_source = quantized.SerializeToString() if target == "tensorrt" else None
+    # A BF16 file does not load on ORT's CPU provider: its FP32 emulation is what ORT checks.
+    emulation = emulated(quantized).SerializeToString() if has_bf16(quantized) else None
     source, quant_files, staged = stage_quantized(
         quantized, model_path, float_model.staged is not None
     )
     del quantized
     built.model = None
+    ort_source = emulation if emulation is not None else source
     finished = None
     try:
-        try:  # the session verify runs: a model ORT cannot load fails here, named
-            loaded = optimized_session(source, VERIFY_THREADS)
-        except QtoolError as exc:
-            message = str(exc)
-            if isinstance(source, Path):  # name the output, not its temporary file
-                message = message.replace(str(source), str(model_path))
-            raise ModelError(
-                f"the quantized model does not load in ONNX Runtime: {message}"
-            ) from None
         with phase("verifying what ONNX Runtime runs"):
-            verification = verify(
-                source,
-                built.layout.plan,
+            verification = _verify(
+                ort_source,
+                model_path,
+                built,
+                header,
                 feeds,
-                built.cpu,
-                VERIFY_THREADS,
-                target=header.quantization.target,
-                float_model=float_model.session_source(),
-                loaded=loaded,
+                float_model,
+                unfused_only,
             )
-            del loaded
+        if emulation is not None:
+            verification.summary["emulated"] = EMULATED
+        verification.summary["runs_on"] = RUNS_ON[target]
+        tensorrt = None
+        if placement is not None:
+            shapes = {name: tuple(array.shape) for name, array in feeds[0].items()}
+            with phase("TensorRT: the placement check, and the engine where one can be built"):
+                tensorrt = {"placement": placement, "engine": engine_block(engine_source, shapes)}
+            del engine_source
+            verification.warnings.extend(tensorrt_warnings(tensorrt))
         files = dict(files)
         if staged is not None:  # ship both files: the .onnx alone has no weights
             files["quantized_model_data"] = str(staged.data_path)
@@ -141,6 +191,9 @@ def verify_and_report(
         )
         report["algorithms"] = built.algorithms
         report["size"] = _sizes(float_model, quant_files)
+        report["float_type"] = built.float_type
+        if tensorrt is not None:
+            report["tensorrt"] = tensorrt
         report["int4_matmul"] = {
             "format": header.quantization.resolved_int4_format,
             "accuracy_level": built.nbits,
@@ -182,6 +235,51 @@ def _sizes(float_model: FloatModel, quant_files: dict[Path, bytes | Staged]) -> 
     if float_model.source_bytes is not None and quantized:
         sizes["source_over_quantized"] = float_model.source_bytes / quantized
     return sizes
+
+
+def _verify(
+    source: bytes | Path,
+    model_path: Path,
+    built: Built,
+    header: ReportHeader,
+    feeds: Sequence[dict[str, np.ndarray]],
+    float_model: FloatModel,
+    unfused_only: str | None,
+) -> Verification:
+    """Load `source` as ORT's CPU provider will run it (unfused only for float8) and verify
+    what runs; a model ORT cannot load fails here, named."""
+    try:
+        if unfused_only is not None:
+            return verify_unfused_only(
+                source, built.layout.plan, feeds, VERIFY_THREADS, unfused_only
+            )
+        try:
+            loaded = optimized_session(source, VERIFY_THREADS)
+        except QtoolError as exc:
+            if header.quantization.target == "ort-cpu":
+                raise
+            # ORT's CPU optimizer is not the target's runtime: a file it cannot load fused is
+            # checked unfused, and the report and a warning say so.
+            why = f"ONNX Runtime's CPU graph optimizations cannot load this file ({exc}); "
+            why += "qtool runs it unfused (the QDQ semantics)"
+            checked = verify_unfused_only(source, built.layout.plan, feeds, VERIFY_THREADS, why)
+            checked.warnings.append(f"ONNX Runtime CPU check (not the target): {why}")
+            return checked
+    except QtoolError as exc:
+        message = str(exc)
+        if isinstance(source, Path):  # name the output, not its temporary file
+            message = message.replace(str(source), str(model_path))
+        raise ModelError(f"the quantized model does not load in ONNX Runtime: {message}") from None
+    return verify(
+        source,
+        built.layout.plan,
+        feeds,
+        built.cpu,
+        VERIFY_THREADS,
+        target=header.quantization.target,
+        float_model=float_model.session_source(),
+        loaded=loaded,
+    )
 
 
 def verify_feeds(data: BatchSource) -> list[dict[str, np.ndarray]]:

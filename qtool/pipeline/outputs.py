@@ -17,9 +17,10 @@ class OutputFiles:
     def float_model(self) -> Path:
         return self.folder / "model.fp32.onnx"
 
-    def quantized_model(self, uses_int4: bool) -> Path:
-        """model.int8.onnx, or model.int4.onnx when the plan stores any weight in 4 bits."""
-        return self.folder / f"model.{'int4' if uses_int4 else 'int8'}.onnx"
+    def quantized_model(self, tag: str) -> Path:
+        """model.{tag}.onnx: int8, int4 when the plan stores any weight in 4 bits, fp8 with FP8
+        Q/DQ (QuantizationSpec.model_tag)."""
+        return self.folder / f"model.{tag}.onnx"
 
     @property
     def stats(self) -> Path:

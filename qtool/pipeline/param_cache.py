@@ -27,7 +27,8 @@ from qtool.write.params import ActivationParams, WeightParams
 
 class ParamCache:
     def __init__(self) -> None:
-        self._activations: dict[str, ActivationParams] = {}  # by stats tensor
+        # by (stats tensor, pair type): an int8 and an fp8 pair on one tensor differ
+        self._activations: dict[tuple[str, str], ActivationParams] = {}
         # (tensor, slot, plan fields, activations of its nodes) -> (params, plan fields after)
         self._weights: dict[tuple, tuple[WeightParams | BlockwiseWeight, dict]] = {}
         self.weight_hits = 0
@@ -45,19 +46,19 @@ class ParamCache:
         device: str,
     ) -> dict[str, ActivationParams]:
         todo = {
-            tensor: slot
-            for tensor, slot in layout.activations.items()
-            if slot.stats_tensor not in self._activations
+            key: slot
+            for key, slot in layout.activations.items()
+            if (slot.stats_tensor, slot.dtype) not in self._activations
         }
         if todo:
             computed = activation_parameters(
                 Layout(activations=todo), dict(stats), calibration, symmetric, device
             )
-            for tensor, params in computed.items():
-                self._activations[todo[tensor].stats_tensor] = params
+            for key, params in computed.items():
+                self._activations[(todo[key].stats_tensor, todo[key].dtype)] = params
         return {
-            tensor: self._activations[slot.stats_tensor]
-            for tensor, slot in layout.activations.items()
+            key: self._activations[(slot.stats_tensor, slot.dtype)]
+            for key, slot in layout.activations.items()
         }
 
     def weights(

@@ -40,7 +40,8 @@ def plan(
     """The Plan and QDQ slots of `model` under `quantization`; `where` names the settings'
     source (the recipe file) in errors. Refuses a plan that quantizes nothing (unless the
     caller builds variants of a plan on purpose): a run that writes a copy of the float model
-    as its result would be silently wrong."""
+    as its result would be silently wrong. A plan that only types nodes fp16/bf16 (op_types
+    empty, quantization.float_type fp16) writes a typed model, not a copy."""
     layout = plan_layout(
         model,
         quantization,
@@ -48,9 +49,11 @@ def plan(
         activation_method,
         where,
     )
-    if require_quantized and not layout.quantized_nodes():
+    typed = any(node.precision in ("fp16", "bf16") for node in layout.plan)
+    if require_quantized and not layout.quantized_nodes() and not typed:
         raise ModelError(
             f"{where}: no node can be quantized with quantization.op_types "
-            f"{list(quantization.op_types)} and the exclude list"
+            f"{list(quantization.op_types)} and the exclude list (and no node is typed fp16 or "
+            "bf16)"
         )
     return layout

@@ -29,18 +29,26 @@ from qtool.plan.graph import GraphIndex
 from qtool.plan.node_settings import NodeSettings, resolve_node_settings
 from qtool.plan.ops import find_rule, precision_key, unplaced_reason
 from qtool.plan.ops.registry import Entry, OpRule
-from qtool.plan.plan import NodePlan, Plan, WeightPlan
+from qtool.plan.plan import FLOAT_TYPES, NodePlan, Plan, WeightPlan
 from qtool.plan.settings import QuantizationSpec
-from qtool.plan.slots import ActivationSlot, BiasSlot, WeightSlot
+from qtool.plan.slots import ActivationSlot, BiasSlot, WeightSlot, slot_key
 from qtool.plan.tied import tie_weights
 
 # The slot types live in qtool/plan/slots.py (the op families build them); this is where the
 # rest of qtool imports them from.
-__all__ = ["ActivationSlot", "BiasSlot", "Layout", "WeightSlot", "plan_layout"]
+__all__ = ["ActivationSlot", "BiasSlot", "Layout", "WeightSlot", "plan_layout", "slot_key"]
+
+# Ranges the FP16 typing pass checks (write/keep_fp32.py): FP16's 5-bit exponent overflows and
+# underflows where FP32's does not; BF16 keeps FP32's exponent, so it needs none.
+_RANGED_TYPES = ("fp16",)
 
 
 @dataclass
 class Layout:
+    """The Plan and where its Q/DQ tensors go. `activations` is keyed by `slot_key` (the tensor
+    for int8 pairs); `typed_tensors` are the float tensors of nodes that compute in FP16, whose
+    calibration ranges the typing pass checks against FP16's limits."""
+
     plan: Plan = field(default_factory=Plan)
     activations: dict[str, ActivationSlot] = field(default_factory=dict)
     weights: dict[str, WeightSlot] = field(default_factory=dict)
@@ -52,9 +60,11 @@ class Layout:
     # Every MatMul/Gemm weight -> its layer input (the node that planned it): where the Hessian
     # methods that any weight may use (AWQ, scale estimation) find its Hessian.
     weight_inputs: dict[str, str] = field(default_factory=dict)
+    typed_tensors: list[str] = field(default_factory=list)
 
     def stats_tensors(self) -> list[str]:
-        return sorted({slot.stats_tensor for slot in self.activations.values()})
+        slots = {slot.stats_tensor for slot in self.activations.values()}
+        return sorted(slots | set(self.typed_tensors))
 
     def hessian_tensors(self) -> list[str]:
         return sorted(set(self.gptq_inputs.values()))
@@ -68,15 +78,22 @@ def _rule_of(node: onnx.NodeProto) -> OpRule | None:
     return find_rule(node.op_type)
 
 
-def _activations_int8(chosen: NodeSettings, rule: OpRule) -> bool:
-    """Whether the node's float inputs get Q/DQ pairs (an embedding's indices are integers)."""
-    return chosen.activations == "int8" and rule.activation_inputs
+def _pair_type(chosen: NodeSettings, rule: OpRule) -> str | None:
+    """The type of the Q/DQ pairs on the node's float inputs, int8 or fp8; None: weight-only
+    (an embedding's indices are integers, so a Gather has none either)."""
+    if chosen.activations in ("int8", "fp8") and rule.activation_inputs:
+        return chosen.activations
+    return None
 
 
-def _entry(rule: OpRule, spec: QuantizationSpec, precision: str, activations_int8: bool) -> Entry:
+def _key(precision: str, pairs: str | None) -> str:
+    """The registry key of a quantized node: its precision and its activations' pair type."""
+    return precision_key(precision, pairs or "float")
+
+
+def _entry(rule: OpRule, spec: QuantizationSpec, precision: str, pairs: str | None) -> Entry:
     """The registry entry the node is written by; RegistryError when the rule has none."""
-    key = precision_key(precision, "int8" if activations_int8 else "float")
-    return rule.entry(spec.target, key)
+    return rule.entry(spec.target, _key(precision, pairs))
 
 
 def plan_layout(
@@ -93,7 +110,7 @@ def plan_layout(
     tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path))
     settings = tied.settings
     layout = Layout()
-    wanted: list[str] = []  # activation tensors to quantize, in discovery order
+    wanted: list[tuple[str, str]] = []  # (tensor, pair type) to quantize, in discovery order
     quantized_nodes: set[str] = set()
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
@@ -102,15 +119,29 @@ def plan_layout(
         outcome = _quantize_node(node, graph, spec, chosen, layout)
         if isinstance(outcome, tuple):
             source, reason = outcome
-            layout.plan.add(NodePlan(node.name, node.op_type, "float", source, reason))
+            precision = chosen.precision if chosen.precision in FLOAT_TYPES else None
+            precision = precision or spec.float_precision
+            _check_float_entry(node, spec, precision)
+            layout.plan.add(
+                NodePlan(
+                    node.name,
+                    node.op_type,
+                    precision,
+                    source,
+                    reason,
+                    activations=precision if precision != "float" else "int8",
+                )
+            )
             continue
         rule = outcome
         quantized_nodes.add(node.name)
         weight_name = graph.weight_of(node, layout.weights)
         weight = layout.weights[weight_name] if weight_name is not None else None
-        with_activations = _activations_int8(chosen, rule)
-        precision = chosen.precision if weight is not None else "int8"
-        entry = _entry(rule, spec, precision, with_activations)
+        pairs = _pair_type(chosen, rule)
+        precision = chosen.precision
+        if weight is None and precision == "int4":
+            precision = "int8"  # an op without a weight: its activations are what is quantized
+        entry = _entry(rule, spec, precision, pairs)
         layout.plan.add(
             NodePlan(
                 node.name,
@@ -118,31 +149,32 @@ def plan_layout(
                 precision,
                 chosen.source,
                 chosen.reason,
-                activation_method=activation_method if with_activations else None,
+                activation_method=activation_method if pairs is not None else None,
                 weight=None
                 if weight is None
                 else weight_plans.setdefault(
                     weight.tensor, _weight_plan(weight, chosen, spec, rule, entry)
                 ),
-                activations="int8" if with_activations else "float",
+                activations=pairs or "float",
             )
         )
         if weight is not None and rule.weights is not None and rule.weights.gptq:
             layout.weight_inputs.setdefault(weight.tensor, node.input[0])
             if layout.plan[node.name].weight.method == "gptq":
                 layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
-        if not with_activations:
+        if pairs is None:
             continue
-        wanted.extend(name for name in node.input if graph.is_float_activation(name))
+        wanted.extend((name, pairs) for name in node.input if graph.is_float_activation(name))
         if rule.output_quantized:
             out = node.output[0]
             clamp = _single_clamp_consumer(out, graph)
             target = clamp.output[0] if clamp is not None else out
             if target not in graph.graph_outputs:
-                wanted.append(target)
+                wanted.append((target, pairs))
 
-    for tensor in dict.fromkeys(wanted):
-        if tensor in layout.activations:
+    for tensor, dtype in dict.fromkeys(wanted):
+        key = slot_key(tensor, dtype)
+        if key in layout.activations:
             continue
         source = tensor
         producer = graph.producer.get(tensor)
@@ -154,8 +186,9 @@ def plan_layout(
         ):
             source = producer.input[0]
             layout.folded_clamps[producer.name] = tensor
-        layout.activations[tensor] = ActivationSlot(tensor, source, _stats_root(tensor, graph))
+        layout.activations[key] = ActivationSlot(tensor, source, _stats_root(tensor, graph), dtype)
 
+    layout.typed_tensors = _typed_tensors(layout.plan, graph, spec)
     _annotate_float_nodes(layout, graph, spec.target)
     _note_float_readers(layout, graph, tied.leaders)
     layout.plan.nodes = {n.name: layout.plan[n.name] for n in graph.nodes}  # graph order
@@ -203,8 +236,13 @@ def _weight_plan(
     if method == "gptq" and not rule.weights.gptq:
         method = "mse"
         notes.append("gptq is for MatMul/Gemm weights; this one uses mse")
-    activations_int8 = _activations_int8(chosen, rule)
-    if settings.bits == 8 and activations_int8 and slot.block_size is None:
+    pairs = _pair_type(chosen, rule)
+    activations_int8 = pairs == "int8"
+    if chosen.precision == "fp8":
+        fmt, symmetric = "e4m3", True
+        where = "per output channel" if slot.axis is not None else "per tensor"
+        reason = f"fp8 e4m3, {where}, scale = amax / 448"
+    elif settings.bits == 8 and activations_int8 and slot.block_size is None:
         fmt = "s8"
         reason = "default: int8 symmetric, full range"
     else:
@@ -241,16 +279,19 @@ def _quantize_node(
     layout: Layout,
 ) -> OpRule | tuple[str, str]:
     """Record the node's weight/bias slots and return its rule, or (source, why it stays float)."""
-    if chosen.precision == "float":
+    if chosen.precision in FLOAT_TYPES:
         if chosen.source == "not-listed":
             return "unsupported", _UNLISTED  # refined for pass-through ops later
         return chosen.source, chosen.reason
     rule = _rule_of(node)
     if rule is None or not rule.quantizable:
         return "unsupported", _UNLISTED
+    missing = _no_form(rule, spec, chosen)
+    if missing is not None:
+        return "unsupported", missing
     data_inputs = [name for name in node.input if name]
     if rule.weights is not None:
-        entry = _entry(rule, spec, chosen.precision, _activations_int8(chosen, rule))
+        entry = _entry(rule, spec, chosen.precision, _pair_type(chosen, rule))
         slots = rule.weights.slots(node, graph, spec, chosen, entry)
         if isinstance(slots, str):
             return "unsupported", slots
@@ -271,6 +312,42 @@ def _quantize_node(
 
 
 _UNLISTED = "op type not quantized"
+
+
+def _no_form(rule: OpRule, spec: QuantizationSpec, chosen: NodeSettings) -> str | None:
+    """Why the rule has no form at the node's fp8 precision on the target (an op with no FP8
+    entry: its activations alone have no FP8 kernel to feed), or None. Other precisions every
+    quantizable rule has, or the registry's lookup names what is missing."""
+    if chosen.precision != "fp8" or (spec.target, _key("fp8", "fp8")) in rule.entries:
+        return None
+    have = ", ".join(rule.precisions(spec.target))
+    return (
+        f"{rule.op_type} has no fp8 form for target {spec.target} (it has {have}): it stays "
+        f"in the float type"
+    )
+
+
+def _check_float_entry(node: onnx.NodeProto, spec: QuantizationSpec, precision: str) -> None:
+    """A quantizable op typed fp16/bf16 is written by its rule's entry for that key: the lookup
+    raises when the target offers no such form (BF16 on ort-cpu is refused by the recipe)."""
+    rule = _rule_of(node)
+    if precision != "float" and rule is not None and rule.quantizable:
+        rule.entry(spec.target, precision_key(precision, precision))
+
+
+def _typed_tensors(plan: Plan, graph: GraphIndex, spec: QuantizationSpec) -> list[str]:
+    """The float activations read or written by nodes that compute in FP16: a node typed fp16,
+    or a quantized node in a model whose float type is fp16 (its float side is FP16)."""
+    tensors: dict[str, None] = {}
+    for node in graph.nodes:
+        planned = plan[node.name]
+        low = planned.precision if planned.precision in FLOAT_TYPES else spec.float_precision
+        if low not in _RANGED_TYPES:
+            continue
+        for name in list(node.input) + list(node.output):
+            if name and graph.is_float_activation(name):
+                tensors.setdefault(name)
+    return list(tensors)
 
 
 def _check_not_empty(node: onnx.NodeProto, graph: GraphIndex, weight: str) -> None:

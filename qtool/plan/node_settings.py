@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import onnx
 
 from qtool.errors import RecipeError
+from qtool.plan.plan import FLOAT_TYPES as FLOAT_PRECISIONS
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
 
 
@@ -25,8 +26,9 @@ from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
 class NodeSettings:
     """What the recipe asks for one node, before the layout checks what the graph allows.
 
-    `precision` is "int4" / "int8" (the weight bits, or int8 for ops without weights) or
-    "float"; `activations` "int8" or "float" (weight-only); `weights` is fully resolved.
+    `precision` is "int4" / "int8" (the weight bits, or int8 for ops without weights), "fp8",
+    or a float precision ("fp16", "bf16", "float" = FP32); `activations` "int8", "fp8", "float"
+    (weight-only) or the float precision itself; `weights` is fully resolved.
     """
 
     precision: str
@@ -144,7 +146,10 @@ def _describe(override: Override) -> str:
 def resolve_node_settings(
     model: onnx.ModelProto, spec: QuantizationSpec, recipe_path: str = "recipe"
 ) -> dict[str, NodeSettings]:
-    """Node name -> its settings: defaults, then `exclude`, then every override in order."""
+    """Node name -> its settings: defaults, then `exclude`, then every override in order.
+
+    A node that is not quantized gets the float type's precision (`quantization.float_type`:
+    float for FP32, fp16, bf16) unless an override names its float precision itself."""
     nodes = list(model.graph.node)
     weighted = (
         weighted_nodes(model)
@@ -158,6 +163,8 @@ def resolve_node_settings(
         weights = spec.weights
         activations = spec.activations
         quantized = node.op_type in listed
+        fp8 = spec.precision == "fp8"
+        float_precision = spec.float_precision
         source = "default" if quantized else "not-listed"
         reason = (
             f"{node.op_type} is in quantization.op_types"
@@ -176,19 +183,26 @@ def resolve_node_settings(
             weights = weights.layered(override.weights)
             if override.activations is not None:
                 activations = override.activations
-            if override.precision == "float":
-                quantized = False
+            if override.precision in FLOAT_PRECISIONS:
+                quantized, float_precision = False, override.precision
             elif override.precision is not None or override.weights.bits is not None:
                 quantized = True
+                fp8 = override.precision == "fp8"
         if applied:
             source = "override"
             reason = "set by " + ", then ".join(applied)
         resolved = weights.resolved()
         if not quantized:
-            precision = "float"
+            precision = float_precision
+        elif fp8:
+            precision = "fp8"
         else:
             precision = "int4" if resolved.bits == 4 else "int8"
-        if activations is None:
+        if precision in ("fp8",) + FLOAT_PRECISIONS:
+            # fp8 nodes have fp8 activations (FP8 has no weight-only form here); a float node's
+            # activations are its own type.
+            activations = precision
+        elif activations is None:
             activations = "float" if precision == "int4" else "int8"
         settings[node.name] = NodeSettings(precision, resolved, activations, source, reason)
     return settings

@@ -12,8 +12,15 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-PRECISIONS = ("int4", "int8", "float")
-ACTIVATIONS = ("int8", "float")
+# A node's precision. Quantized (Q/DQ pairs): int4 and int8 (integer), fp8 (float8 E4M3FN).
+# Not quantized: fp16 and bf16 (the node computes in that float type, written strongly typed by
+# the write stage's typing pass) and float (FP32, the model's own type).
+QUANTIZED = ("int4", "int8", "fp8")
+FLOAT_TYPES = ("fp16", "bf16", "float")
+PRECISIONS = QUANTIZED + FLOAT_TYPES
+# What a node's activations are: int8 or fp8 Q/DQ pairs, or none (float: weight-only nodes and
+# float nodes; fp16/bf16 for nodes typed so).
+ACTIVATIONS = ("int8", "fp8", "fp16", "bf16", "float")
 
 # Why a node has its precision; the report groups by these.
 SOURCES = (
@@ -25,6 +32,7 @@ SOURCES = (
     "folded",  # a Relu/Clip folded into the preceding QuantizeLinear
     "passthrough",  # shape/max op that runs on the quantized data of its neighbours
     "tied",  # reads a weight another node reads too, stored once as that node plans it
+    "kept-fp32",  # planned fp16/bf16, kept FP32 by a rule of the typing pass (write/keep_fp32.py)
 )
 
 
@@ -76,10 +84,15 @@ class NodePlan:
     activations: str = "int8"
     # What ONNX Runtime does with the node, recorded by the verify stage (fusion.NodeRuntime).
     runtime: dict | None = None
+    # The float type the node computes in, recorded by the write stage's typing pass when the
+    # model is written with a low float type anywhere (write/float_type.py): computes_in, and
+    # for a node kept in FP32 the rule and its reason.
+    float_type: dict | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.precision != "float"
+        """Q/DQ pairs or a quantized weight: int4, int8 or fp8 (fp16/bf16 nodes are typed)."""
+        return self.precision in QUANTIZED
 
     def to_dict(self) -> dict:
         entry = {
@@ -97,6 +110,8 @@ class NodePlan:
             entry["weight"] = asdict(self.weight)
         if self.runtime is not None:
             entry["runtime"] = self.runtime
+        if self.float_type is not None:
+            entry["float_type"] = self.float_type
         return entry
 
 

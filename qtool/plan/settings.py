@@ -21,10 +21,31 @@ DEFAULT_OP_TYPES = ("Conv", "Gemm", "MatMul")
 # The op types a recipe may list are the quantizable rules of the op registry
 # (qtool.plan.ops.quantizable_op_types()).
 
-# Per-node precisions (qtool/plan.py): int4 / int8 weights, or float (no QDQ at all).
-PRECISIONS = ("int4", "int8", "float")
+# Per-node precisions (qtool/plan/plan.py): int4 / int8 / fp8 (Q/DQ), or fp16 / bf16 (no Q/DQ,
+# the node computes in that type) or float (no Q/DQ, FP32).
+PRECISIONS = ("int4", "int8", "fp8", "fp16", "bf16", "float")
 
+# quantization.precision: what the nodes op_types selects become (None: by weights.bits).
+QUANTIZED_PRECISIONS = ("int4", "int8", "fp8")
+
+# quantization.activations: int8 Q/DQ pairs, or weight-only (fp8 nodes have fp8 activations).
 ACTIVATION_PRECISIONS = ("int8", "float")
+
+# quantization.float_type: the type every node that is not quantized computes in, and the
+# node precision that stands for it.
+FLOAT_TYPES = {"fp32": "float", "fp16": "fp16", "bf16": "bf16"}
+
+# quantization.float_io: graph inputs and outputs keep their type (Casts at the boundary), or
+# take the float type (a caller feeds and reads that type).
+FLOAT_IO = ("keep", "float_type")
+
+# What each target's runtime can run, beyond int8/int4: FP8 E4M3 Q/DQ and BF16 are TensorRT's
+# (ORT's CPU provider has neither kernels nor a fused form for them); FP16 runs on both (ORT's
+# CPU provider runs FP16 where it has a kernel and casts around the rest).
+TARGET_PRECISIONS = {
+    "ort-cpu": ("int4", "int8", "fp16", "float"),
+    "tensorrt": ("int4", "int8", "fp8", "fp16", "bf16", "float"),
+}
 
 WEIGHT_GRANULARITIES = ("per-channel", "per-tensor", "block")
 
@@ -111,6 +132,28 @@ class QuantizationSpec:
     # "auto" is picked for `cpu`.
     int4_format: str | None = None
     accuracy_level: str = "auto"
+    # What the nodes op_types selects become: None: int8 or int4 by weights.bits; "fp8": FP8 E4M3
+    # Q/DQ (tensorrt). The float type of everything not quantized (FLOAT_TYPES), and whether the
+    # graph's inputs and outputs take it (FLOAT_IO).
+    precision: str | None = None
+    float_type: str = "fp32"
+    float_io: str = "keep"
+
+    @property
+    def float_precision(self) -> str:
+        """The node precision of a node that is not quantized: float (FP32), fp16 or bf16."""
+        return FLOAT_TYPES[self.float_type]
+
+    def precisions_asked(self) -> set[str]:
+        """Every node precision the settings name (quantization.precision, the overrides')."""
+        asked = {o.precision for o in self.overrides if o.precision is not None}
+        if self.precision is not None:
+            asked.add(self.precision)
+        return asked
+
+    @property
+    def uses_fp8(self) -> bool:
+        return "fp8" in self.precisions_asked()
 
     @property
     def resolved_int4_format(self) -> str:
@@ -131,13 +174,37 @@ class QuantizationSpec:
         return (
             blocked_tables
             or any(s.bits == 4 or s.granularity == "block" for s in settings)
-            or any(o.precision == "int4" for o in self.overrides)
+            or "int4" in self.precisions_asked()
+            or self.uses_fp8  # float8 Q/DQ: opset 19, and qtool upgrades to 21
+            or self.typed_qdq  # Q/DQ in FP16/BF16: opset 19 (before it, DQ outputs FP32 only)
         )
+
+    @property
+    def typed_qdq(self) -> bool:
+        """Q/DQ pairs in a model whose float type is low: DequantizeLinear writes FP16/BF16 (and
+        QuantizeLinear reads it) from opset 19 on; before, they are FP32 only."""
+        quantizes = bool(self.op_types) or bool(self.precisions_asked() & {"int4", "int8", "fp8"})
+        return self.float_type != "fp32" and quantizes
 
     @property
     def uses_int4(self) -> bool:
         settings = [self.weights] + [o.weights for o in self.overrides]
         return any(s.bits == 4 for s in settings)
+
+    @property
+    def model_tag(self) -> str:
+        """The quantized model's file tag: int4 where 4-bit weights are asked anywhere, else
+        fp8, else int8; a model that quantizes nothing (op_types empty) is named by its float
+        type."""
+        if self.uses_int4:
+            return "int4"
+        if self.uses_fp8:
+            return "fp8"
+        asked = self.precisions_asked()
+        if not self.op_types and not asked & {"int8", "int4", "fp8"}:
+            low = [p for p in ("fp16", "bf16") if p in asked | {self.float_type}]
+            return low[0] if low else "typed"
+        return "int8"
 
     @property
     def symmetric_activations(self) -> bool:

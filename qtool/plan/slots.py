@@ -16,12 +16,25 @@ class ActivationSlot:
 
     `source` is what the QuantizeLinear reads: the tensor itself, or the input of a folded Relu.
     `stats_tensor` is the tensor whose calibration statistics set the range (the tensor before a
-    chain of pass-through ops, so both sides of a Reshape share one scale).
+    chain of pass-through ops, so both sides of a Reshape share one scale). `dtype`: "int8" (the
+    target's 8-bit integer type) or "fp8" (float8 E4M3FN); a tensor read by int8 and fp8 nodes
+    has one slot of each, and each node reads the pair of its own type (`slot_key`).
     """
 
     tensor: str
     source: str
     stats_tensor: str
+    dtype: str = "int8"
+
+    @property
+    def key(self) -> str:
+        return slot_key(self.tensor, self.dtype)
+
+
+def slot_key(tensor: str, dtype: str) -> str:
+    """The layout's key of the pair of `dtype` on `tensor`, which also names the pair's tensors
+    and nodes: the tensor itself for int8 (as before fp8 existed), `{tensor}_fp8` for fp8."""
+    return tensor if dtype == "int8" else f"{tensor}_{dtype}"
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from onnx import TensorProto, numpy_helper
 
 from qtool.errors import DataError, ModelError
 from qtool.metrics.signal import SignalQuality
-from qtool.ort.sessions import create_session, ort_reason
+from qtool.ort.sessions import as_declared, create_session, ort_reason
 from qtool.plan.ops import find_rule
 from qtool.plan.ops.registry import NO_FUSION, OrtFusion, float_weight_op_types
 from qtool.plan.ops.targets import ORT_CPU
@@ -675,6 +675,7 @@ def compare_fused_unfused(
     batches = 0
     for index, feed in enumerate(feeds):
         try:
+            feed = as_declared(feed, unfused)  # an FP16-input model (float_io: float_type)
             reference = unfused.run(names, feed)
             candidate = fused.run(names, feed)
         except Exception as exc:  # ORT raises private types for bad feeds

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import onnxruntime
 
+from qtool.ort.sessions import as_declared
+
 WARMUP_RUNS = 5
 
 
@@ -33,13 +35,14 @@ def measure_latency(
     runs: int,
 ) -> list[tuple[float, float]]:
     """Median and p90 in ms per session (all outputs, as deployed); runs alternate sessions."""
-    for session in sessions:
+    feeds = [as_declared(feed, session) for session in sessions]  # an FP16-input model
+    for session, own in zip(sessions, feeds, strict=True):
         for _ in range(WARMUP_RUNS):
-            session.run(None, feed)
+            session.run(None, own)
     times: list[list[float]] = [[] for _ in sessions]
     for _ in range(runs):
         for k, session in enumerate(sessions):
             start = time.perf_counter_ns()
-            session.run(None, feed)
+            session.run(None, feeds[k])
             times[k].append((time.perf_counter_ns() - start) / 1e6)
     return [(float(np.median(t)), float(np.percentile(t, 90))) for t in times]

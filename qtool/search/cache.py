@@ -19,7 +19,8 @@ from qtool.search.layers import LayerScore
 from qtool.search.result import Measurement, json_number
 
 CACHE_DIR = "analysis-cache"
-_FORMAT = "qtool-analysis-cache-1"
+# 2: measurements carry the margin noise (accuracy and agreement); files of 1 are measured again
+_FORMAT = "qtool-analysis-cache-2"
 
 
 def cache_key(inputs: dict) -> str:

@@ -1,44 +1,187 @@
-"""What each node costs at each precision: the bytes of its constant inputs as stored.
+"""Where the bytes of a model file go: every record of its graph given to a planned node, to an
+activation QDQ pair, or to the rest of the graph.
 
-Measured from models the QDQ writer really builds (all candidates' nodes at int8, all at int4),
-not from a formula, so block scales, zero points, packed int4 and int32 biases count as the file
-stores them. A node's cost is the bytes of the initializers it reads in the float model (weight,
-bias) and of what replaces them in the quantized one (`{name}_quantized`, `_scale`,
-`_zero_point`, the writer's names). Activation scales and the Q/DQ nodes are not attributed to a
-node (a few bytes per tensor); the report gives the predicted and the measured file size, so the
-difference is visible.
+A serialized ONNX model is its header (ir_version, opsets, producer, metadata, the graph's name
+and length prefix) followed by one record per node, initializer, value_info, graph input and
+graph output; a record weighs a one-byte field tag, its length as a varint, and the message.
+This module splits a model's bytes exactly that way, so the parts add up to the file:
+
+- a planned node owns its node record (a Conv, or the MatMulNBits / GatherBlockQuantized that
+  replaces its op under the same name), the initializers it reads (a float weight and bias, or
+  the packed weight, block scales and zero points a 4-bit node reads itself), the
+  DequantizeLinear nodes (and their int8 / int4 / int32 initializers) that feed only it, any
+  node the writer inserted after it (the Add of a split Gemm bias), the value_info of the
+  tensors it produces, and a Relu / Clip folded into its output (present in the float model,
+  gone from the quantized one);
+- an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
+  DequantizeLinear, their scale and zero point, and the bytes by which unplanned nodes grow when
+  they read the slot's longer `..._dequantized` name;
+- everything else (unplanned nodes, shape constants, graph inputs and outputs) is the rest.
+
+The pieces are found from the graph's structure (what reads and writes what), not from the
+writer's naming; a node the writer inserted that none of these rules places is an error, so a
+change to the writer cannot silently leave bytes unpriced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import onnx
-from onnx import numpy_helper
 
-_SUFFIXES = ("", "_quantized", "_scale", "_zero_point")
-
-
-def stored_bytes(tensor: onnx.TensorProto) -> int:
-    """Bytes of a tensor's data as the file holds it (int4 packed two per byte)."""
-    if tensor.HasField("raw_data"):
-        return len(tensor.raw_data)
-    return int(numpy_helper.to_array(tensor).nbytes)
+REST = ("rest", "")
+Owner = tuple[str, str]  # ("node", name) | ("slot", tensor) | REST
 
 
-def constant_inputs(model: onnx.ModelProto, node_name: str) -> list[str]:
-    """The initializers the float model's node `node_name` reads (its weight, bias)."""
-    initializers = {i.name for i in model.graph.initializer}
-    node = next((n for n in model.graph.node if n.name == node_name), None)
-    if node is None:
-        return []
-    return sorted({name for name in node.input if name in initializers})
+def varint_bytes(value: int) -> int:
+    """Bytes of `value` as a protobuf varint."""
+    size = 1
+    while value >= 0x80:
+        value >>= 7
+        size += 1
+    return size
 
 
-def node_bytes(model: onnx.ModelProto, tensors: Iterable[str]) -> int:
-    """Bytes of `tensors` in `model`, float or replaced by their quantized form."""
-    sizes = {i.name: stored_bytes(i) for i in model.graph.initializer}
-    total = 0
-    for tensor in tensors:
-        total += sum(sizes.get(tensor + suffix, 0) for suffix in _SUFFIXES)
-    return total
+def record_bytes(message) -> int:
+    """Bytes one element of a repeated GraphProto field takes in the file (field numbers below
+    16, so a one-byte tag)."""
+    size = message.ByteSize()
+    return 1 + varint_bytes(size) + size
+
+
+@dataclass
+class Attribution:
+    """A model's bytes by owner: planned nodes, activation slots, the rest, and the header."""
+
+    nodes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    slots: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    rest: float = 0.0
+    header: int = 0
+
+    def add(self, owners: list[Owner], size: float) -> None:
+        """`size` bytes split evenly among `owners` (a weight two nodes share)."""
+        share = size / len(owners)
+        for kind, name in owners:
+            if kind == "node":
+                self.nodes[name] += share
+            elif kind == "slot":
+                self.slots[name] += share
+            else:
+                self.rest += share
+
+    def total(self) -> float:
+        return self.header + self.rest + sum(self.nodes.values()) + sum(self.slots.values())
+
+
+def attribute(
+    model: onnx.ModelProto,
+    size: int,
+    float_model: onnx.ModelProto,
+    planned: set[str],
+    clamps: Mapping[str, str],
+    sources: Mapping[str, str],
+) -> Attribution:
+    """Split `model` (`size` bytes serialized, written from `float_model`) among `planned` nodes,
+    activation slots and the rest. `clamps`: Relu / Clip node -> the planned node whose output it
+    folds into (in any layout); `sources`: tensor a QuantizeLinear reads -> the slot's tensor (the
+    layout's ActivationSlot.source -> tensor), empty for the float model."""
+    graph = model.graph
+    float_nodes = {node.name: node for node in float_model.graph.node}
+    float_producer = {out: node.name for node in float_model.graph.node for out in node.output}
+    initializers = {init.name for init in graph.initializer}
+    nodes = list(graph.node)
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    consumers: dict[str, list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                consumers[name].append(i)
+
+    def float_owner(name: str) -> Owner:
+        if name in planned:
+            return ("node", name)
+        if name in clamps:
+            return ("node", clamps[name])
+        return REST
+
+    owners: dict[int, list[Owner]] = {}
+    for i, node in enumerate(nodes):
+        if node.name in float_nodes:
+            owners[i] = [float_owner(node.name)]
+        elif node.op_type == "QuantizeLinear" and node.input[0] not in initializers:
+            if node.input[0] not in sources:
+                raise RuntimeError(
+                    f"size model: QuantizeLinear {node.name!r} reads {node.input[0]!r}, which is "
+                    "the source of no activation slot of the layout"
+                )
+            owners[i] = [("slot", sources[node.input[0]])]
+
+    def owner_of(i: int, seen: frozenset[int] = frozenset()) -> list[Owner]:
+        if i in owners:
+            return owners[i]
+        if i in seen:
+            raise RuntimeError(f"size model: a cycle through {nodes[i].name!r}")
+        node = nodes[i]
+        data = [name for name in node.input if name and name not in initializers]
+        if node.op_type == "DequantizeLinear" and data and data[0] in producer:
+            source = nodes[producer[data[0]]]
+            if source.op_type == "QuantizeLinear":  # the pair's second half
+                owners[i] = owner_of(producer[data[0]], seen | {i})
+                return owners[i]
+        if not data:  # a weight's DequantizeLinear: it belongs to what reads its output
+            found: list[Owner] = []
+            for out in node.output:
+                for reader in consumers.get(out, []):
+                    found.extend(o for o in owner_of(reader, seen | {i}) if o not in found)
+            if not found:
+                raise RuntimeError(f"size model: nothing reads the output of {node.name!r}")
+            owners[i] = found
+            return found
+        # Inserted after a node (the Add of a split Gemm bias): its first data input's producer.
+        if data[0] in producer:
+            upstream = owner_of(producer[data[0]], seen | {i})
+            if all(kind == "node" for kind, _ in upstream):
+                owners[i] = upstream
+                return upstream
+        raise RuntimeError(
+            f"size model: cannot tell which planned node the writer's {node.op_type} "
+            f"{node.name!r} belongs to"
+        )
+
+    parts = Attribution()
+    for i, node in enumerate(nodes):
+        owner = owner_of(i)
+        size_here = record_bytes(node)
+        original = float_nodes.get(node.name)
+        if owner == [REST] and original is not None:
+            # An unplanned node that reads a slot's `..._dequantized` tensor grows by the name.
+            before = record_bytes(original)
+            slots = []
+            for name in node.input:
+                if name in producer and name not in float_producer:
+                    slots.extend(o for o in owner_of(producer[name]) if o[0] == "slot")
+            if slots and size_here != before:
+                parts.add(slots, size_here - before)
+                size_here = before
+        parts.add(owner, size_here)
+    readers: dict[str, list[Owner]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            if name in initializers:
+                readers[name].extend(o for o in owner_of(i) if o not in readers[name])
+    for init in graph.initializer:
+        parts.add(readers.get(init.name) or [REST], record_bytes(init))
+    for info in graph.value_info:
+        if info.name in float_producer:
+            owner = [float_owner(float_producer[info.name])]
+        elif info.name in producer:
+            owner = owner_of(producer[info.name])
+        else:
+            owner = [REST]
+        parts.add(owner, record_bytes(info))
+    for info in list(graph.input) + list(graph.output) + list(graph.sparse_initializer):
+        parts.add([REST], record_bytes(info))
+    parts.header = size - int(round(parts.total()))
+    return parts

@@ -9,6 +9,7 @@ of `budget / resolution`, so every plan the solver accepts also meets the budget
 (unrounded) penalties; the least-cost plan on the grid is found exactly (ties broken by node and
 choice order, so the answer is deterministic). Negative penalties (a node that measured better
 quantized) count as 0: additivity is an assumption the verify loop checks, not a gift to spend.
+An infinite penalty (a variant whose output broke) never fits.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ class Choice:
     penalty: float
 
 
-def _steps(penalty: float, unit: float) -> int:
+def _steps(penalty: float, unit: float, capacity: int) -> int:
+    """Grid steps `penalty` takes, rounded up; capacity + 1 (never fits) when it is infinite."""
+    if math.isnan(penalty):
+        raise ValueError("a penalty is NaN")
     if penalty <= 0:
         return 0
+    if capacity == 0 or math.isinf(penalty) or penalty / unit - 1e-9 > capacity:
+        return capacity + 1  # a zero budget admits only penalties <= 0, however small
     return math.ceil(penalty / unit - 1e-9)
 
 
@@ -54,7 +60,7 @@ def solve(
         new = [inf] * (capacity + 1)
         taken = [-1] * (capacity + 1)
         for index, choice in enumerate(options[name]):
-            steps = _steps(choice.penalty, unit)
+            steps = _steps(choice.penalty, unit, capacity)
             if steps > capacity:
                 continue
             for used in range(capacity - steps + 1):
@@ -75,5 +81,5 @@ def solve(
         name = names[position]
         choice = options[name][picks[position][used]]
         plan[name] = choice
-        used -= _steps(choice.penalty, unit)
+        used -= _steps(choice.penalty, unit, capacity)
     return {name: plan[name] for name in names}

@@ -22,7 +22,7 @@ from onnx import helper
 from qtool.data.batches import Batch
 from qtool.metrics.signal import SignalQuality
 from qtool.model.prepare import tensor_types
-from qtool.ort.sessions import create_session
+from qtool.ort.sessions import as_declared, create_session
 from qtool.plan.plan import Plan
 
 
@@ -105,7 +105,8 @@ def layer_sqnr(
     energy = {key: SignalQuality() for key in pairs}
     for batch in batches:
         ref = dict(zip(float_names, float_session.run(float_names, batch.inputs), strict=True))
-        got = dict(zip(quant_names, quant_session.run(quant_names, batch.inputs), strict=True))
+        feed = as_declared(batch.inputs, quant_session)
+        got = dict(zip(quant_names, quant_session.run(quant_names, feed), strict=True))
         ref.update({k: v for k, v in batch.inputs.items()})
         got.update({k: v for k, v in batch.inputs.items()})
         for key, (float_name, quant_name) in pairs.items():

@@ -1,24 +1,31 @@
 """The mixed-precision stage of `qtool quantize`: analyse, choose, verify, hand the plan on.
 
 1. `qtool analyze`'s one-at-a-time measurements (its cache: a rerun measures nothing) give each
-   node's penalty at each candidate precision on the analysis subset;
-2. the QDQ writer builds the all-int8 and all-int4 models once, giving each node's bytes at
-   each precision (costs.py);
+   node's penalty at each candidate precision on the analysis subset; penalties.py turns them
+   into the knapsack's additive penalties (for a max_drop budget a margin noise, whose expected
+   drop in points the flip model of flips.py predicts from the evaluation set's float margins);
+2. the QDQ writer builds the all-int8 and all-int4 models once; sizes.py prices each node at
+   each precision in the bytes those files really hold (weights, scales, zero points, QDQ nodes),
+   so a plan's predicted size is the size of the file that would be written;
 3. the exact multiple-choice knapsack picks the smallest plan whose summed penalties fit the
    budget;
-4. verify-and-promote (search.py) scores it on the full evaluation set as `qtool evaluate`
-   would gate it, promoting nodes until it passes or no more plans may be tried.
+4. verify-and-promote (promote.py) scores it on the full evaluation set as `qtool evaluate`
+   would gate it, promoting nodes until it passes or no more plans may be tried;
+5. never larger than a passing reference (reference.py): a uniform model that passes and is
+   smaller than that plan is chosen instead, and report.json and the CLI say so.
 
 The chosen plan is the settings' plan plus one `overrides:` entry per precision; the search
 returns that Plan and the very model it verified (built by the pipeline's build stage, with the
 settings' algorithms), which is what `qtool quantize --auto` writes, and plan.yaml reproduces it.
 When no plan meets the budget, the best one measured is written as model.failed.onnx and
-plan.failed.yaml, report.json says why, and the CLI exits 1.
+plan.failed.yaml, report.json says why, and the CLI exits 1. Sizes in the report are files as
+written, qtool's provenance metadata included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,25 +38,44 @@ from qtool.calibration.hessian_file import load_hessians
 from qtool.calibration.stats_file import load_stats, stats_data_sha256
 from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, DataError, ModelError, RecipeError
+from qtool.ort.float8 import unfused_only_reason
 from qtool.ort.sessions import create_session
 from qtool.phases import phase
 from qtool.pipeline.build import Built, build_quantized
+from qtool.pipeline.finish import stamp_provenance
+from qtool.pipeline.float_model import FloatModel
 from qtool.pipeline.job import Job
 from qtool.pipeline.prepare import Prepared
 from qtool.pipeline.statistics import Statistics
+from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.profile import NodeTimes, node_times
-from qtool.search import costs
 from qtool.search.budget import Budget, resolve_budget
 from qtool.search.candidates import ORDER, model_candidates, node_candidates
 from qtool.search.knapsack import Choice, solve
 from qtool.search.mixed_report import iteration_line, mixed_block
+from qtool.search.penalties import PenaltyScale, penalty_scale
 from qtool.search.plan_file import plan_yaml
-from qtool.search.promote import Measured, SearchResult, verify_and_promote
+from qtool.search.promote import (
+    Iteration,
+    Measured,
+    SearchResult,
+    measure_iteration,
+    verify_and_promote,
+)
+from qtool.search.reference import Reference, ceiling, prefer_reference
 from qtool.search.result import SensitivityResult
 from qtool.search.scoring import Scorer, choose_metric
 from qtool.search.sensitivity import analyze
+from qtool.search.sizes import (
+    SizeModel,
+    Uniform,
+    clamp_owners,
+    size_model,
+    uniform,
+    wanted_slots,
+)
 from qtool.search.spec import MixedPrecisionSpec
 from qtool.search.variants import Assembler, pin
 
@@ -77,14 +103,15 @@ class MixedOutcome:
 
 @dataclass
 class _Problem:
-    """The search's inputs: per-node choices (cost to minimise, penalty), the same choices
-    priced in bytes (the predicted size), the models that priced them, and with the latency
-    objective their per-node profiles (precision -> runtime.profile.NodeTimes)."""
+    """The search's inputs: per-node choices (cost to minimise, knapsack penalty), the same
+    choices priced in bytes (the size model's prices), the size model, the uniform models that
+    priced them, and with the latency objective their per-node profiles (precision ->
+    runtime.profile.NodeTimes)."""
 
     options: dict[str, list[Choice]]
     sizes: dict[str, list[Choice]]
-    float_size: int
-    references: dict[str, tuple[bytes, dict[str, str]]]  # precision -> (model, plan)
+    size_model: SizeModel
+    references: dict[str, Uniform]  # precision -> the uniform model
     profiles: dict[str, NodeTimes] = field(default_factory=dict)
 
 
@@ -136,18 +163,26 @@ def _op_types(model: bytes, names: Sequence[str]) -> dict[str, str]:
 
 def _profiles(
     prepared: Prepared,
-    references: Mapping[str, tuple[bytes, dict[str, str]]],
+    references: Mapping[str, Uniform],
     names: Sequence[str],
     feed: Mapping[str, np.ndarray],
 ) -> dict[str, NodeTimes]:
     """Per-node medians (runtime/profile) on the float model and on each all-int8 / all-int4
     model: a node's time at a precision is read from the uniform model that runs it so."""
     models = {"float": prepared.model.serialized}
-    models.update({p: model for p, (model, _) in references.items()})
+    models.update({p: uniform.serialized for p, uniform in references.items()})
     return {
         precision: node_times(model, _op_types(model, names), feed, PROFILE_RUNS)
         for precision, model in models.items()
     }
+
+
+def _stamp_bytes(float_model: FloatModel, job: Job, statistics: Statistics) -> int:
+    """Bytes qtool's provenance metadata adds to the file written (finish stamps the model the
+    search chose): what the size model adds to every plan, and the measured sizes too."""
+    probe = onnx.ModelProto()
+    stamp_provenance(probe, float_model, job.settings_sha256, statistics.data_sha256)
+    return probe.ByteSize()
 
 
 def _problem(
@@ -157,12 +192,15 @@ def _problem(
     assembler: Assembler,
     candidates: Sequence[str],
     explicit: bool,
+    scale: PenaltyScale,
+    stamp_bytes: int,
     notes: list[str],
     feed: Mapping[str, np.ndarray] | None = None,
 ) -> _Problem:
     """Each node's choices: its candidates that were measured and that the layout really gives
-    it, priced in bytes from the all-int8 and all-int4 models the writer builds, and with a
-    `feed` (the latency objective) in profiled microseconds on those models and the float one."""
+    it, with the knapsack penalty of `scale`, priced in bytes by the size model built from the
+    all-int8 and all-int4 models the writer builds, and with a `feed` (the latency objective)
+    in profiled microseconds on those models and the float one."""
     target = job.build.quantization.target
     units = analysis.nodes
     names = [u.name for u in units]
@@ -175,13 +213,8 @@ def _problem(
             )
             if analysis.penalty(unit.name, p) is not None
         ]
-    float_graph = prepared.model.model
-    inputs = {name: costs.constant_inputs(float_graph, name) for name in names}
-    prices: dict[str, dict[str, int]] = {
-        name: {"float": costs.node_bytes(float_graph, inputs[name])} for name in names
-    }
-    references: dict[str, tuple[bytes, dict[str, str]]] = {}
-    for precision in ("int8", "int4"):
+    layouts: dict[str, Layout] = {}
+    for precision in [p for p in ORDER if p != "float" and p in candidates]:
         chosen = [name for name in names if precision in allowed[name]]
         if not chosen:
             continue
@@ -203,27 +236,41 @@ def _problem(
                 f"{job.outputs.stats}: cannot build the all-{precision} plan: {problem} "
                 "(delete the stats file so that the search calibrates every tensor it needs)"
             )
-        model = assembler.build(layout)
-        references[precision] = (model.SerializeToString(), plan)
-        for name in chosen:
-            prices[name][precision] = costs.node_bytes(model, inputs[name])
-    profiles = _profiles(prepared, references, names, feed) if feed is not None else {}
+        layouts[precision] = layout
+    float_model = prepared.model
+    clamps = clamp_owners(float_model.model, list(layouts.values()))
+    uniforms = {
+        p: uniform(p, assembler.build(layout), layout, float_model.model, names, clamps)
+        for p, layout in layouts.items()
+    }
+    wanted = wanted_slots(lambda plan: assembler.layout(_pins(plan)), names, uniforms)
+    sizes_model = size_model(
+        float_model.model,
+        len(float_model.serialized),
+        names,
+        uniforms,
+        wanted,
+        clamps,
+        stamp_bytes,
+    )
+    notes.extend(sizes_model.notes)
+    profiles = _profiles(prepared, uniforms, names, feed) if feed is not None else {}
     sizes: dict[str, list[Choice]] = {}
     options: dict[str, list[Choice]] = {}
     for name in names:
-        usable = [p for p in ("float", "int8", "int4") if p in allowed[name] and p in prices[name]]
+        prices = sizes_model.prices[name]
+        usable = [p for p in reversed(ORDER) if p in allowed[name] and p in prices]
         if not usable:
             raise RecipeError(
                 f"{job.where}: mixed_precision: node {name!r} has no usable candidate among "
                 f"{', '.join(candidates)} (add float to mixed_precision.candidates)"
             )
-        sizes[name] = [Choice(p, float(prices[name][p]), analysis.penalty(name, p)) for p in usable]
+        penalties = {p: scale.penalty(analysis, name, p) for p in usable}
+        sizes[name] = [Choice(p, prices[p], penalties[p]) for p in usable]
         options[name] = sizes[name]
         if profiles:
-            options[name] = [
-                Choice(p, profiles[p].nodes[name], analysis.penalty(name, p)) for p in usable
-            ]
-    return _Problem(options, sizes, len(prepared.model.serialized), references, profiles)
+            options[name] = [Choice(p, profiles[p].nodes[name], penalties[p]) for p in usable]
+    return _Problem(options, sizes, sizes_model, uniforms, profiles)
 
 
 def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | None:
@@ -243,8 +290,16 @@ def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | Non
     }
 
 
-def _start(problem: _Problem, budget: Budget, notes: list[str]) -> tuple[dict[str, str], str]:
-    plan = solve(problem.options, budget.penalty)
+def _start(problem: _Problem, scale: PenaltyScale, notes: list[str]) -> tuple[dict[str, str], str]:
+    """The knapsack's plan within the scale's capacity; with an unbounded capacity (a budget
+    larger than any drop the flip model can predict) each node's cheapest choice."""
+    if math.isinf(scale.capacity):
+        cheapest = {
+            n: min(choices, key=lambda c: (c.cost, c.penalty, ORDER.index(c.precision))).precision
+            for n, choices in problem.options.items()
+        }
+        return cheapest, "cheapest plan (the budget bounds no node)"
+    plan = solve(problem.options, scale.capacity)
     if plan is not None:
         return {n: c.precision for n, c in plan.items()}, "knapsack plan"
     notes.append(
@@ -269,7 +324,14 @@ def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dic
     """Median latency of the float, the all-int8 and the chosen model, measured here with one
     intra-op thread (stable on a shared machine), sessions alternated run by run."""
     labels = list(models)
-    sessions = [create_session(models[k], threads=1) for k in labels]
+    sessions = [
+        create_session(
+            models[k],
+            threads=1,
+            optimize=unfused_only_reason(onnx.load_model_from_string(models[k])) is None,
+        )
+        for k in labels
+    ]
     timings = dict(zip(labels, measure_latency(sessions, dict(feed), LATENCY_RUNS), strict=True))
     float_ms, model_ms = timings["float"][0], timings["chosen"][0]
     block = {
@@ -285,6 +347,25 @@ def _latency(models: Mapping[str, bytes], feed: Mapping[str, np.ndarray]) -> dic
         block["int8_ms_median"] = int8_ms
         block["vs_int8"] = int8_ms / model_ms if model_ms > 0 else None
     return block
+
+
+def _references(
+    problem: _Problem, scorer: Scorer, budget: Budget, stamp: int
+) -> dict[str, Reference]:
+    """Each uniform model scored on the evaluation set, sized as it would be written, beside
+    the size the size model predicts for its plan."""
+    references = {}
+    for precision, model in problem.references.items():
+        score = scorer.score(model.serialized)
+        references[precision] = Reference(
+            precision,
+            dict(model.plan),
+            len(model.serialized) + stamp,
+            problem.size_model.predict(model.plan),
+            score.value,
+            budget.holds(score.value, scorer.float_value),
+        )
+    return references
 
 
 def search(
@@ -344,18 +425,27 @@ def search(
     assembler = Assembler(job.build, float_model.model, statistics.by_name(), statistics.hessians)
     feed = _feed(float_model.serialized, batches)
     timed = feed if spec.objective == "latency" else None
+    scorer = Scorer(
+        float_model.serialized, batches, job.evaluation, budget.metric, fused=target == "ort-cpu"
+    )
+    labels = [b.labels for b in scorer.batches] if scorer.labelled else None
+    scale = penalty_scale(budget, scorer.reference, labels)
+    stamp = _stamp_bytes(float_model, job, statistics)
     with phase("pricing each node's precisions"):
-        problem = _problem(job, prepared, analysis, assembler, candidates, explicit, notes, timed)
-    start, action = _start(problem, budget, notes)
-    scorer = Scorer(float_model.serialized, batches, job.evaluation, budget.metric)
+        problem = _problem(
+            job, prepared, analysis, assembler, candidates, explicit, scale, stamp, notes, timed
+        )
+    start, action = _start(problem, scale, notes)
     console.print(
         f"mixed precision: minimise {spec.objective} within {budget.describe()}; float "
         f"{scorer.metric.name} {scorer.float_value:.5g} on {scorer.samples} evaluation samples",
         highlight=False,
         markup=False,
     )
-    # Kept: the plan measured last (it may pass) and the best so far (the failed plan, if
-    # none passes), each as the Built the build stage made and the bytes scored.
+    references = _references(problem, scorer, budget, stamp)
+    # Kept: the plan measured last (it may pass) and the best so far (a passing plan, or the
+    # failed plan if none passes: a pass always has the smaller penalty), each as the Built the
+    # build stage made and the bytes scored.
     built: dict[tuple, tuple[tuple[float, int], Built, bytes]] = {}
 
     def measure(plan: Mapping[str, str]) -> Measured:
@@ -372,7 +462,8 @@ def search(
             candidate = assembler.built(layout)
         model = candidate.model.SerializeToString()
         score = scorer.score(model)
-        measured = Measured(score.value, score.penalty, score.sqnr_db, score.cosine, len(model))
+        size = len(model) + stamp  # the file as finish writes it
+        measured = Measured(score.value, score.penalty, score.sqnr_db, score.cosine, size)
         key = tuple(sorted(plan.items()))
         best = min(built.items(), key=lambda kv: kv[1][0], default=None)
         built.clear()
@@ -381,33 +472,55 @@ def search(
         built[key] = ((measured.penalty, measured.size), candidate, model)
         return measured
 
+    def report(iteration: Iteration) -> None:
+        line = iteration_line(iteration, budget, scorer.float_value)
+        console.print(line, highlight=False, markup=False)
+
+    float_size = problem.size_model.all_float()
+
+    def verify_one(index: int, what: str, plan: Mapping[str, str]) -> Iteration:
+        return measure_iteration(
+            index,
+            what,
+            plan,
+            problem.options,
+            problem.sizes,
+            scale,
+            budget,
+            scorer.float_value,
+            float_size,
+            measure,
+        )
+
+    # Never larger than a passing reference: a size question, so for the size objective only.
+    smallest = None
+    if spec.objective == "size":
+        smallest = ceiling(list(references.values()), problem.options)
     with phase("verifying mixed-precision plans"):
         result = verify_and_promote(
             start,
             problem.options,
             analysis,
             budget,
+            scale,
             scorer.float_value,
-            problem.float_size,
+            float_size,
             measure,
             spec.max_iterations,
             action,
             sizes=problem.sizes,
-            report=lambda it: console.print(
-                iteration_line(it, budget, scorer.float_value), highlight=False, markup=False
-            ),
+            report=report,
+            ceiling=None if smallest is None else (smallest.size, smallest.label),
         )
+        note = prefer_reference(result, smallest, verify_one, report)
+    if note is not None:
+        notes.append(note)
     chosen = result.chosen
     _, chosen_built, model_bytes = built[tuple(sorted(chosen.precisions.items()))]
-    references = {}
-    for precision, (reference, _) in problem.references.items():
-        score = scorer.score(reference)
-        references[precision] = {"size_bytes": len(reference), "metric": score.value}
-    references["float"] = {"size_bytes": problem.float_size, "metric": scorer.float_value}
     with phase("measuring latency"):
         timed_models = {"float": float_model.serialized, "chosen": model_bytes}
         if "int8" in problem.references:
-            timed_models["int8"] = problem.references["int8"][0]
+            timed_models["int8"] = problem.references["int8"].serialized
         latency = _latency(timed_models, feed)
     predicted_latency = _predicted_latency(problem, chosen.precisions)
     if predicted_latency is not None:
@@ -424,7 +537,7 @@ def search(
     out = job.outputs.folder
     if result.passed:
         plan_path = out / "plan.yaml"
-        model_path = job.outputs.quantized_model(quantization.uses_int4)
+        model_path = job.outputs.quantized_model(quantization.model_tag)
         heading = "the plan `qtool quantize --auto` chose"
     else:
         plan_path, model_path = out / "plan.failed.yaml", out / "model.failed.onnx"
@@ -438,22 +551,25 @@ def search(
     block = mixed_block(
         spec,
         budget,
+        scale,
         scorer,
         analysis,
         candidates,
         problem.sizes,
+        problem.options,
         result,
         references,
+        len(float_model.serialized),
         latency,
         {"plan": str(plan_path), "model": str(model_path)},
         notes,
-        problem.options if problem.profiles else None,
+        bool(problem.profiles),
         predicted_latency,
     )
     models = {}
     if keep_models:
         models = {"float": float_model.serialized, "chosen": model_bytes}
-        models.update({p: reference for p, (reference, _) in problem.references.items()})
+        models.update({p: uniform.serialized for p, uniform in problem.references.items()})
     return MixedOutcome(
         result.passed,
         model_path,

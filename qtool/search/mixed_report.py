@@ -11,7 +11,9 @@ from rich.table import Table
 from qtool.metrics.signal import json_float
 from qtool.search.budget import Budget
 from qtool.search.knapsack import Choice
+from qtool.search.penalties import PenaltyScale
 from qtool.search.promote import Iteration, SearchResult
+from qtool.search.reference import Reference
 from qtool.search.result import SensitivityResult
 from qtool.search.scoring import Scorer
 from qtool.search.spec import MixedPrecisionSpec
@@ -40,11 +42,13 @@ def _counts(counts: Mapping[str, int]) -> str:
 def iteration_line(iteration: Iteration, budget: Budget, float_value: float) -> str:
     verdict = "PASS" if iteration.passed else "miss"
     measured = iteration.measured
-    predicted = budget.value_at(iteration.predicted_penalty, float_value)
+    predicted = _value(budget.metric, budget.value_at(iteration.predicted_penalty, float_value))
+    if iteration.pass_probability is not None:
+        predicted += f", passing with p {iteration.pass_probability:.2f}"
     return (
         f"  plan {iteration.index} ({iteration.action}; {_counts(iteration.counts())}): "
-        f"{budget.metric} {_value(budget.metric, measured.value)} (predicted "
-        f"{_value(budget.metric, predicted)}), {_size(measured.size)}: {verdict}"
+        f"{budget.metric} {_value(budget.metric, measured.value)} (predicted {predicted}), "
+        f"{_size(measured.size)} (predicted {_size(iteration.predicted_size)}): {verdict}"
     )
 
 
@@ -58,6 +62,8 @@ def _iteration_dict(iteration: Iteration, budget: Budget, float_value: float) ->
             "penalty": iteration.predicted_penalty,
             "metric": json_float(budget.value_at(iteration.predicted_penalty, float_value)),
             "size_bytes": iteration.predicted_size,
+            "knapsack_penalty": json_float(iteration.knapsack_penalty),
+            "pass_probability": iteration.pass_probability,
         },
         "measured": {
             "metric": json_float(measured.value),
@@ -71,44 +77,87 @@ def _iteration_dict(iteration: Iteration, budget: Budget, float_value: float) ->
     }
 
 
+def _choices(
+    name: str,
+    sizes: Sequence[Choice],
+    options: Sequence[Choice],
+    analysis: SensitivityResult,
+    scale: PenaltyScale,
+    timed: bool,
+) -> dict:
+    """One node's choices: bytes, the analysis' penalty (the budget's unit, as measured on its
+    subset), with a max_drop budget the margin noise and the knapsack's penalty, with the
+    latency objective the profiled time."""
+    knapsack = {c.precision: c for c in options}
+    priced = {}
+    for choice in sizes:
+        entry = {
+            "bytes": int(round(choice.cost)),
+            "penalty": json_float(analysis.penalty(name, choice.precision)),
+        }
+        if scale.flips is not None:
+            entry["margin_noise"] = json_float(analysis.margin_noise(name, choice.precision))
+            entry["knapsack_penalty"] = json_float(choice.penalty)
+            entry["predicted_drop"] = json_float(scale.predicted(max(choice.penalty, 0.0)))
+        if timed:
+            entry["latency_us"] = round(knapsack[choice.precision].cost, 2)
+        priced[choice.precision] = entry
+    return priced
+
+
 def mixed_block(
     spec: MixedPrecisionSpec,
     budget: Budget,
+    scale: PenaltyScale,
     scorer: Scorer,
     analysis: SensitivityResult,
     candidates: Sequence[str],
+    sizes: Mapping[str, Sequence[Choice]],
     options: Mapping[str, Sequence[Choice]],
     result: SearchResult,
-    references: Mapping[str, dict],
+    references: Mapping[str, Reference],
+    float_size: int,
     latency: dict,
     files: Mapping[str, str],
     notes: Sequence[str],
-    times: Mapping[str, Sequence[Choice]] | None = None,
+    timed: bool = False,
     predicted_latency: dict | None = None,
 ) -> dict:
-    """report.json's `mixed_precision`: the budget, what the analysis predicted and what the
-    evaluation set measured for the chosen plan, every plan tried, and each node's choices.
-    `options` are priced in bytes; `times`, with the latency objective, in profiled us, and
-    `predicted_latency` is the profiler's sum for the chosen plan."""
+    """report.json's `mixed_precision`: the budget and how penalties count against it, what the
+    analysis predicted and what the evaluation set measured for the chosen plan, the uniform
+    references (predicted and measured size, metric, pass), every plan tried, and each node's
+    choices. `sizes` are priced in bytes, `options` in what the search minimises (the same, or
+    with the latency objective (`timed`) profiled us); `predicted_latency` is the profiler's sum
+    for the chosen plan."""
     chosen = result.chosen
     history = [_iteration_dict(it, budget, scorer.float_value) for it in result.iterations]
-    nodes = []
-    for name, choices in options.items():
-        us = {c.precision: c.cost for c in (times or {}).get(name, ())}
-        priced = {}
-        for c in choices:
-            priced[c.precision] = {"bytes": int(c.cost), "penalty": json_float(c.penalty)}
-            if c.precision in us:
-                priced[c.precision]["latency_us"] = round(us[c.precision], 2)
-        nodes.append({"name": name, "precision": chosen.precisions[name], "choices": priced})
+    nodes = [
+        {
+            "name": name,
+            "precision": chosen.precisions[name],
+            "choices": _choices(name, choices, options[name], analysis, scale, timed),
+        }
+        for name, choices in sizes.items()
+    ]
     predicted = dict(history[chosen.index - 1]["predicted"])
     if predicted_latency is not None:
         predicted["latency"] = predicted_latency
+    uniform = {
+        p: {
+            "size_bytes": r.size,
+            "predicted_size_bytes": r.predicted_size,
+            "metric": json_float(r.value),
+            "passed": r.passed,
+        }
+        for p, r in references.items()
+    }
+    uniform["float"] = {"size_bytes": float_size, "metric": json_float(scorer.float_value)}
     return {
         "passed": result.passed,
         "reason": result.reason,
         "objective": spec.objective,
         "budget": budget.to_dict(),
+        "penalties": scale.to_dict(),
         "metric": {
             "name": scorer.metric.name,
             "output": scorer.metric.output,
@@ -123,12 +172,10 @@ def mixed_block(
             "seconds": round(analysis.seconds, 3),
         },
         "chosen_iteration": chosen.index,
+        "chosen_reference": result.reference,
         "predicted": predicted,
         "measured": {**history[chosen.index - 1]["measured"], "latency": latency},
-        "references": {
-            p: {"size_bytes": r["size_bytes"], "metric": json_float(r["metric"])}
-            for p, r in references.items()
-        },
+        "references": uniform,
         "counts": chosen.counts(),
         "iterations": history,
         "nodes": nodes,
@@ -158,11 +205,12 @@ def summary_table(block: dict) -> Table:
         "chosen": latency.get("model_ms_median"),
     }
     float_size = block["references"]["float"]["size_bytes"]
-    for precision in ("float", "int8", "int4"):
+    for precision in ("float", "fp16", "bf16", "int8", "fp8", "int4"):
         reference = block["references"].get(precision)
         if reference is None:
             continue
-        label = {"float": "float", "int8": "all int8", "int4": "int4 (else int8)"}[precision]
+        label = "float" if precision == "float" else f"all {precision}"
+        label = "int4 (else int8)" if precision == "int4" else label
         row = [
             label,
             "",
@@ -174,8 +222,11 @@ def summary_table(block: dict) -> Table:
             row.append(_ms(timed.get(precision)))
         table.add_row(*row)
     measured = block["measured"]
+    what = f"plan {block['chosen_iteration']}"
+    if block.get("chosen_reference"):
+        what += f": all {block['chosen_reference']}"
     row = [
-        f"chosen (plan {block['chosen_iteration']})",
+        f"chosen ({what})",
         _counts(block["counts"]),
         _value(metric, float(measured["metric"])),
         _size(measured["size_bytes"]),

@@ -21,18 +21,20 @@ from qtool.plan.settings import QuantizationSpec, WeightSettings
 from qtool.search.variants import exact_pattern
 
 _FIELDS = ("bits", "granularity", "block_size", "method", "symmetric")
-_BITS = {"int4": 4, "int8": 8}
+_BITS = {"int4": 4, "int8": 8, "fp8": 8}
 # Why a float node is pinned: a decision of the recipe, not a limit of the graph or op type.
 _PINNED_FLOAT = ("excluded", "override")
 
 
 def _default_activations(precision: str) -> str:
+    if precision == "fp8":
+        return "fp8"  # fp8 nodes have fp8 activations, always
     return "float" if precision == "int4" else "int8"
 
 
 def _entry(name: str, settings: NodeSettings, spec: QuantizationSpec) -> dict:
     entry: dict = {"nodes": exact_pattern(name), "precision": settings.precision}
-    if settings.precision == "float":
+    if settings.precision in ("float", "fp16", "bf16"):
         return entry
     bits = WeightSettings(bits=_BITS[settings.precision])
     references = (spec.weights.layered(bits).resolved(), bits.resolved())
@@ -58,8 +60,8 @@ def plan_overrides(model: onnx.ModelProto, spec: QuantizationSpec, plan: Plan) -
     for node in plan:
         if node.quantized:
             entries.append(_entry(node.name, settings[node.name], spec))
-        elif node.source in _PINNED_FLOAT:
-            entries.append({"nodes": exact_pattern(node.name), "precision": "float"})
+        elif node.source in _PINNED_FLOAT:  # float (FP32), or fp16/bf16 asked of the node
+            entries.append({"nodes": exact_pattern(node.name), "precision": node.precision})
     return entries
 
 
@@ -72,11 +74,13 @@ def plan_yaml(
     """plan.yaml's text: `comments` as a header, then `quantization: {overrides: [...]}`."""
     entries = plan_overrides(model, spec, plan)
     counts = plan.counts()
-    summary = ", ".join(f"{counts[p]} {p}" for p in ("int4", "int8") if counts.get(p))
+    summary = ", ".join(f"{counts[p]} {p}" for p in ("int4", "fp8", "int8") if counts.get(p))
+    typed = ", ".join(f"{counts[p]} {p}" for p in ("bf16", "fp16") if counts.get(p))
     pinned = sum(e["precision"] == "float" for e in entries)
     header = [
         *comments,
-        f"{summary or 'no node'} quantized, {pinned} kept float by the recipe.",
+        f"{summary or 'no node'} quantized, {pinned} kept float by the recipe"
+        + (f", typed {typed}." if typed else "."),
         "This list stands for the recipe's own overrides (it includes their effect): use this",
         "file as the `base:` of a recipe without `overrides:`, or paste the list in their place.",
     ]

@@ -17,7 +17,7 @@ from qtool.search.scoring import Metric
 
 MODES = ("one-at-a-time", "all-but-one", "layer")
 MODE_CHOICES = (*MODES, "all")
-CANDIDATES = ("int8", "int4")
+CANDIDATES = ("int8", "int4", "fp8", "fp16", "bf16")
 # What each part of SensitivityResult.sensitivity is, for tables and plots.
 SENSITIVITY_PARTS = (
     "one-at-a-time penalty",
@@ -31,7 +31,8 @@ SENSITIVITY_PARTS = (
 class Measurement:
     """One variant scored: the metric's value and penalty, SQNR and cosine of the gated output,
     and the seconds it cost (plan, write, ONNX Runtime session, run). `skipped` says why a
-    variant could not be built; its numbers are then NaN."""
+    variant could not be built; its numbers are then NaN. `margin_noise`: for accuracy and
+    agreement, the mean squared change of the top-1 margin (scoring.Score), NaN otherwise."""
 
     value: float
     penalty: float
@@ -39,6 +40,7 @@ class Measurement:
     cosine: float
     seconds: float
     skipped: str | None = None
+    margin_noise: float = math.nan
 
     @classmethod
     def skip(cls, reason: str) -> Measurement:
@@ -48,13 +50,16 @@ class Measurement:
     def to_dict(self) -> dict:
         if self.skipped is not None:
             return {"skipped": self.skipped}
-        return {
+        entry = {
             "metric": json_number(self.value),
             "penalty": json_number(self.penalty),
             "sqnr_db": json_number(self.sqnr_db),
             "cosine": self.cosine,
             "seconds": round(self.seconds, 4),
         }
+        if not math.isnan(self.margin_noise):
+            entry["margin_noise"] = json_number(self.margin_noise)
+        return entry
 
     @classmethod
     def from_dict(cls, data: dict) -> Measurement:
@@ -66,6 +71,7 @@ class Measurement:
             _float(data["sqnr_db"]),
             float(data["cosine"]),
             float(data["seconds"]),
+            margin_noise=_float(data.get("margin_noise", "nan")),
         )
 
 
@@ -119,6 +125,16 @@ class SensitivityResult:
         if measured is None or measured.skipped is not None:
             return None
         return measured.penalty
+
+    def margin_noise(self, name: str, precision: str) -> float | None:
+        """Margin noise of node `name` alone at `precision` (0 for "float"); None when that
+        candidate was not measured, NaN when the metric has no class axis (cosine, SQNR)."""
+        if precision == "float":
+            return 0.0
+        measured = self.node(name).one_at_a_time.get(precision)
+        if measured is None or measured.skipped is not None:
+            return None
+        return measured.margin_noise
 
     def penalties(self) -> dict[str, dict[str, float]]:
         """Node -> {precision: penalty} over float and every measured candidate."""

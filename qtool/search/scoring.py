@@ -1,12 +1,13 @@
 """Score a model variant on the analysis subset with the metric `qtool evaluate` gates on.
 
 The float model runs once and its gated output is kept; every variant then runs fused (as ONNX
-Runtime deploys it, the model the gates judge) on the same batches and is compared with the
-accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would report on
-these samples. Each metric also has a *penalty* that is 0 for the float model and grows as the
-variant gets worse, in units where penalties of separate nodes roughly add up (points of
-accuracy or agreement, percent of perplexity gained, 1 - cosine, noise-to-signal power): the
-mixed-precision search sums them.
+Runtime deploys it, the model the gates judge; for a target other than ort-cpu, and for float8,
+unfused: the QDQ semantics the target's own kernels compute) on the same batches and is compared
+with the accumulators evaluate uses, so a drop measured here is the drop `qtool evaluate` would
+report on these samples. Each metric also has a *penalty* that is 0 for the float model and
+grows as the variant gets worse, in units where penalties of separate nodes roughly add up
+(points of accuracy or agreement, percent of perplexity gained, 1 - cosine, noise-to-signal
+power): the mixed-precision search sums them.
 
 Memory: the float model's gated output of every analysis batch is kept, for SQNR and cosine;
 for a decoder's logits that is window x vocabulary floats per sample (512 tokens of a 49k
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError, RecipeError
@@ -28,7 +30,8 @@ from qtool.metrics.results import perplexity_rise
 from qtool.metrics.signal import SignalQuality, noise_ratio_from_db
 from qtool.metrics.spec import EvaluationSpec, default_metric
 from qtool.metrics.tokens import TokenQuality
-from qtool.ort.sessions import create_session
+from qtool.ort.float8 import unfused_only_reason
+from qtool.ort.sessions import as_declared, create_session
 
 METRICS = ("accuracy", "agreement", "perplexity", "cosine", "sqnr")
 _UNITS = {
@@ -110,12 +113,14 @@ def choose_metric(
 @dataclass(frozen=True)
 class Score:
     """One variant on the analysis subset: the metric's value and penalty, with SQNR and cosine
-    of the gated output for reference."""
+    of the gated output for reference, and for accuracy and agreement the margin noise (the mean
+    squared change of the top-1 margin: continuous where the metric is a step; NaN otherwise)."""
 
     value: float
     penalty: float
     sqnr_db: float
     cosine: float
+    margin_noise: float = math.nan
 
 
 class Scorer:
@@ -128,11 +133,15 @@ class Scorer:
         evaluation: EvaluationSpec,
         requested_metric: str | None = None,
         threads: int | None = None,
+        fused: bool = True,
     ) -> None:
         if not batches:
             raise DataError(f"{evaluation.data.where}: the analysis subset is empty")
         self.batches = list(batches)
         self.threads = threads
+        # ort-cpu: what deploys is ORT's fused model. Another target (TensorRT) runs its own
+        # kernels: the search scores the QDQ semantics (unfused), not ORT's CPU fusion.
+        self.fused = fused
         session = create_session(float_model, threads=threads, optimize=True)
         names = [o.name for o in session.get_outputs()]
         output = evaluation.output or names[0]
@@ -186,13 +195,16 @@ class Scorer:
         return value
 
     def score(self, model: bytes) -> Score:
-        """Run `model` fused over the analysis batches and compare its gated output."""
-        session = create_session(model, threads=self.threads, optimize=True)
-        quality = SignalQuality(cosine="rows", top1=True)
+        """Run `model` fused over the analysis batches and compare its gated output (unfused
+        for a float8 model, which ORT's CPU provider runs no other way: ort/float8.py)."""
+        fused = self.fused and unfused_only_reason(onnx.load_model_from_string(model)) is None
+        session = create_session(model, threads=self.threads, optimize=fused)
+        classes = self.metric.name in ("accuracy", "agreement")
+        quality = SignalQuality(cosine="rows", top1=True, margin=classes)
         accuracy = LabelAccuracy()
         tokens = TokenQuality()
         for ref, batch in zip(self.reference, self.batches, strict=True):
-            out = session.run([self.metric.output], batch.inputs)[0]
+            out = session.run([self.metric.output], as_declared(batch.inputs, session))[0]
             if out.shape != ref.shape:
                 raise ModelError(
                     f"output {self.metric.output!r} has shape {out.shape} in a variant but "
@@ -215,4 +227,7 @@ class Scorer:
         else:
             value = sqnr_db
         penalty = self.metric.penalty(value, self.float_value)
-        return Score(value, penalty, sqnr_db, cosine)
+        margin_noise = quality.margin_noise() if classes else None
+        if margin_noise is None:
+            margin_noise = math.nan
+        return Score(value, penalty, sqnr_db, cosine, margin_noise)

@@ -41,6 +41,7 @@ from qtool.plan.layout import Layout
 from qtool.plan.settings import Override
 from qtool.progress import bars
 from qtool.search.cache import AnalysisCache, cache_key
+from qtool.search.candidates import model_candidates, offered
 from qtool.search.layers import layer_sqnr
 from qtool.search.result import (
     CANDIDATES,
@@ -102,7 +103,8 @@ def _candidates(
             )
         return tuple(requested)
     if job.build.quantization.target == "tensorrt":
-        return ("int8",)
+        chosen = model_candidates(None, "tensorrt", opset, job.where, notes)
+        return tuple(p for p in chosen if p != "float")
     if opset < TARGET_OPSET:
         notes.append(
             f"int4 not analysed: {job.where} prepares opset {opset}, 4-bit weights need "
@@ -122,7 +124,10 @@ class _Variant:
 
 
 def _variants(
-    units: Sequence[NodeSensitivity], modes: Sequence[str], candidates: Sequence[str]
+    units: Sequence[NodeSensitivity],
+    modes: Sequence[str],
+    candidates: Sequence[str],
+    target: str,
 ) -> list[_Variant]:
     names = [u.name for u in units]
     variants = [_Variant("full", "full", None, None, ())]
@@ -132,6 +137,8 @@ def _variants(
             for precision in candidates:
                 if precision == "int4" and unit.weight is None:
                     continue  # 4-bit is a weight format: nothing to store for this node
+                if not offered(precision, unit.op_type, target):
+                    continue  # no form at that precision on the target (an Add at fp8)
                 only = pin(unit.name, precision, f"analysis ({unit.name} alone {precision})")
                 variants.append(
                     _Variant(
@@ -340,7 +347,7 @@ def analyze(
             "variants: their numbers are for the plan without them"
         )
     units = _units(prepared)
-    variants = _variants(units, modes, chosen)
+    variants = _variants(units, modes, chosen, job.build.quantization.target)
 
     # Every variant is planned before any statistics are read (milliseconds each), so a
     # calibration run, when one is needed, covers all of them at once.
@@ -361,7 +368,14 @@ def analyze(
     layer_needed = "layer" in modes and cache.layer is None
     scorer: Scorer | None = None
     if todo or layer_needed or not cache.header:
-        scorer = Scorer(prepared.model.serialized, batches, job.evaluation, metric, threads)
+        scorer = Scorer(
+            prepared.model.serialized,
+            batches,
+            job.evaluation,
+            metric,
+            threads,
+            fused=job.build.quantization.target == "ort-cpu",
+        )
         cache.header = {
             "metric": dataclasses.asdict(scorer.metric),
             "float_value": json_number(scorer.float_value),
@@ -391,7 +405,12 @@ def analyze(
                 score = scorer.score(model.SerializeToString())
                 seconds = round(time.perf_counter() - start, 4)  # as the cache stores it
                 measured = Measurement(
-                    score.value, score.penalty, score.sqnr_db, score.cosine, seconds
+                    score.value,
+                    score.penalty,
+                    score.sqnr_db,
+                    score.cosine,
+                    seconds,
+                    margin_noise=score.margin_noise,
                 )
             cache.variants[variant.id] = measured
             if on_variant is not None:

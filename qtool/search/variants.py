@@ -28,7 +28,7 @@ from qtool.plan.layout import Layout
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
 
 _GLOB_CHARS = "*?["
-_BITS = {"int4": 4, "int8": 8}
+_BITS = {"int4": 4, "int8": 8, "fp8": 8}
 
 
 def exact_pattern(name: str) -> str:
@@ -71,6 +71,7 @@ def union_layout(layouts: Iterable[Layout]) -> Layout:
             union.gptq_inputs.setdefault(weight, tensor)
         for weight, tensor in layout.weight_inputs.items():
             union.weight_inputs.setdefault(weight, tensor)
+        union.typed_tensors.extend(t for t in layout.typed_tensors if t not in union.typed_tensors)
     return union
 
 

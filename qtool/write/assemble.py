@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.calibration.fp8_range import compute_fp8_range
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import TensorStats
 from qtool.calibration.ranges import compute_range
@@ -20,6 +21,7 @@ from qtool.errors import CalibrationError
 from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
+from qtool.write.fp8 import fp8_activation_params, quantize_fp8_weight
 from qtool.write.int4 import BlockwiseWeight
 from qtool.write.low_bit import LowBitOptions, quantize_low_bit
 from qtool.write.params import ActivationParams, WeightParams, activation_params, quantize_bias
@@ -35,17 +37,20 @@ def activation_parameters(
     device: str,
 ) -> dict[str, ActivationParams]:
     activations: dict[str, ActivationParams] = {}
-    for tensor, slot in layout.activations.items():
+    for key, slot in layout.activations.items():
         if slot.stats_tensor not in stats:
             raise CalibrationError(f"stats file has no statistics for tensor '{slot.stats_tensor}'")
+        tensor_stats = stats[slot.stats_tensor]
+        if slot.dtype == "fp8":
+            low, high = compute_fp8_range(
+                tensor_stats, calibration.method, calibration.percentile, device
+            )
+            activations[key] = fp8_activation_params(low, high)
+            continue
         low, high = compute_range(
-            stats[slot.stats_tensor],
-            calibration.method,
-            symmetric,
-            calibration.percentile,
-            device,
+            tensor_stats, calibration.method, symmetric, calibration.percentile, device
         )
-        activations[tensor] = activation_params(low, high, symmetric)
+        activations[key] = activation_params(low, high, symmetric)
     return activations
 
 
@@ -82,7 +87,9 @@ def weight_parameters(
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
         array = numpy_helper.to_array(initializers[name])
-        if name in integer:
+        if plans[name].format == "e4m3":
+            weights[name] = quantize_fp8_weight(array, slot.axis)
+        elif name in integer:
             weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
         else:
             hessian = hessians.get(layout.weight_inputs.get(name, ""))
@@ -98,7 +105,7 @@ def bias_parameters(
 ) -> dict[str, BiasParams]:
     initializers = {init.name: init for init in model.graph.initializer}
     biases = {}
-    for name, slot in layout.biases.items():
+    for name, slot in layout.biases.items():  # int32 biases read int8 pairs (registry entries)
         values, scale = quantize_bias(
             numpy_helper.to_array(initializers[name]),
             activations[slot.activation].scale,

@@ -19,7 +19,7 @@ _MIN_SCALE = np.float32(1e-8)
 @dataclass(frozen=True)
 class ActivationParams:
     scale: np.float32
-    zero_point: np.uint8 | np.int8
+    zero_point: np.generic  # np.uint8 / np.int8, or float8 E4M3FN 0 for FP8 (write/fp8.py)
     low: float
     high: float
 

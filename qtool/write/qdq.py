@@ -138,11 +138,12 @@ def write_qdq_model(
 
     pairs_after: dict[str, list[onnx.NodeProto]] = {}  # source tensor -> its Q/DQ nodes
     graph_inputs = {i.name for i in graph.input}
-    for tensor in sorted(activations):
-        slot = layout.activations[tensor]
-        params = activations[tensor]
-        scale, zero = f"{tensor}_scale", f"{tensor}_zero_point"
-        quantized, dequantized = f"{tensor}_quantized", f"{tensor}_dequantized"
+    pairs: dict[tuple[str, str], str] = {}  # (tensor, pair type) -> its dequantized tensor
+    for key in sorted(activations):
+        slot = layout.activations[key]
+        params = activations[key]
+        scale, zero = f"{key}_scale", f"{key}_zero_point"
+        quantized, dequantized = f"{key}_quantized", f"{key}_dequantized"
         new_initializers.append(
             numpy_helper.from_array(np.asarray(params.scale, np.float32), scale)
         )
@@ -152,14 +153,14 @@ def write_qdq_model(
                 "QuantizeLinear",
                 [slot.source, scale, zero],
                 [quantized],
-                name=f"{tensor}_QuantizeLinear",
+                name=f"{key}_QuantizeLinear",
             ),
             _dequantize_node(
-                f"{tensor}_DequantizeLinear", [quantized, scale, zero], dequantized, None
+                f"{key}_DequantizeLinear", [quantized, scale, zero], dequantized, None
             ),
         ]
         pairs_after.setdefault(slot.source, []).extend(nodes)
-        rename[tensor] = dequantized
+        pairs[(slot.tensor, slot.dtype)] = dequantized
 
     folded = set(layout.folded_clamps)
     body: list[onnx.NodeProto] = []
@@ -188,21 +189,11 @@ def write_qdq_model(
             )
             fused.name = node.name  # the Plan's name, so the runtime truth finds it
             body.append(fused)
-            continue
-        rewritten = onnx.NodeProto()
-        rewritten.CopyFrom(node)
-        for index, name in enumerate(rewritten.input):
-            if name in rename:
-                rewritten.input[index] = rename[name]
-        if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
-            _set_int_attribute(rewritten, "transB", 0)
-        if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
-            weight = node.input[1]
-            body.extend(_nbits_nodes(rewritten, weight, low_bit[weight], dims, nbits_level))
-        elif node.op_type == "Gemm" and _blocked_weight(node, low_bit):
-            body.extend(_split_gemm_bias(rewritten))
         else:
-            body.append(rewritten)
+            reads = {**rename, **_pair_reads(node, layout, pairs)}
+            body.extend(_rewritten(node, reads, transposed, nbits, low_bit, dims, nbits_level))
+        # after every written form, the fused Gather's too: an int8 consumer of the gathered
+        # rows reads them through this pair
         for out in node.output:
             body.extend(pairs_after.get(out, []))
 
@@ -231,6 +222,49 @@ def write_qdq_model(
     if check:
         external_data.check_model(quantized_model)  # over 2 GB: checked without serializing it
     return quantized_model
+
+
+def _pair_reads(
+    node: onnx.NodeProto, layout: Layout, pairs: dict[tuple[str, str], str]
+) -> dict[str, str]:
+    """Input -> the dequantized tensor `node` reads: the pair of its own type (int8 or fp8) where
+    its input has one, else the int8 pair, else the fp8 one (a float reader of a quantized
+    tensor reads it dequantized, as in every QDQ model)."""
+    planned = layout.plan.nodes.get(node.name)
+    own = planned.activations if planned is not None and planned.quantized else None
+    reads = {}
+    for name in node.input:
+        choice = pairs.get((name, own)) if own is not None else None
+        choice = choice or pairs.get((name, "int8")) or pairs.get((name, "fp8"))
+        if choice is not None:
+            reads[name] = choice
+    return reads
+
+
+def _rewritten(
+    node: onnx.NodeProto,
+    rename: dict[str, str],
+    transposed: set[str],
+    nbits: dict[str, str],
+    low_bit: dict[str, BlockwiseWeight],
+    dims: dict[str, list[int]],
+    nbits_level: int | None,
+) -> list[onnx.NodeProto]:
+    """`node` reading the dequantized tensors, as written: itself, MatMulNBits (plus a bias Add
+    where needed) for a 4-bit weight ORT fuses, or a blocked Gemm split from its bias."""
+    rewritten = onnx.NodeProto()
+    rewritten.CopyFrom(node)
+    for index, name in enumerate(rewritten.input):
+        if name in rename:
+            rewritten.input[index] = rename[name]
+    if node.op_type == "Gemm" and len(node.input) > 1 and node.input[1] in transposed:
+        _set_int_attribute(rewritten, "transB", 0)
+    if nbits.get(node.input[1] if len(node.input) > 1 else None) == node.name:
+        weight = node.input[1]
+        return _nbits_nodes(rewritten, weight, low_bit[weight], dims, nbits_level)
+    if node.op_type == "Gemm" and _blocked_weight(node, low_bit):
+        return _split_gemm_bias(rewritten)
+    return [rewritten]
 
 
 def nbits_readers(

@@ -12,6 +12,7 @@ import onnx
 
 from qtool.plan.graph import GraphIndex, int_attribute
 from qtool.plan.node_settings import NodeSettings
+from qtool.plan.ops.forms import float_type_entries, fp8_entry
 from qtool.plan.ops.registry import (
     INT4_INT8,
     INT4_WEIGHT_ONLY,
@@ -50,8 +51,7 @@ def conv_slots(
     reduction = "depthwise" if depthwise else "conv"
     axis = None if settings.granularity == "per-tensor" else 0
     slot = WeightSlot(w, axis, reduction, group, None, False)
-    integer_bias = chosen.activations == "int8" and settings.bits == 8
-    return NodeSlots(slot, BiasSlot(bias, x, w) if bias_ok and integer_bias else None)
+    return NodeSlots(slot, BiasSlot(bias, x, w) if bias_ok and entry.int32_bias else None)
 
 
 _NO_4BIT = (
@@ -79,12 +79,15 @@ CONV = OpRule(
             "DQ(uint8) -> Conv -> Q(uint8); weight int8 per output channel, bias int32",
             ("Conv",),
             ("QLinearConv",),
+            int32_bias=True,
         ),
         ("tensorrt", INT8): Entry(
-            "DQ(int8, symmetric) -> Conv -> Q(int8); weight int8 per output channel, bias int32",
+            "DQ(int8, symmetric) -> Conv -> Q(int8); weight int8 per output channel, bias in "
+            "the float type",
             ("Conv",),
             ("QLinearConv",),
-            when="where ORT rewrites the int8 Q/DQ pairs to uint8, or on ARM",
+            when="where ORT rewrites the int8 Q/DQ pairs to uint8, or on ARM (it quantizes "
+            "the float bias itself)",
         ),
         ("ort-cpu", INT8_WEIGHT_ONLY): Entry(
             "weight int8 per output channel -> DQ -> Conv on float activations",
@@ -118,6 +121,12 @@ CONV = OpRule(
             ("Conv",),
             not_fused=_NO_4BIT_QLINEAR,
         ),
+        **fp8_entry(
+            "DQ(fp8 e4m3) -> Conv -> Q(fp8 e4m3); weight fp8 per output channel, bias in the "
+            "float type",
+            ("Conv",),
+        ),
+        **float_type_entries("Conv", "weight and bias"),
     },
 )
 

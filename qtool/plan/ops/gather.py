@@ -14,6 +14,7 @@ import onnx
 
 from qtool.plan.graph import GraphIndex, int_attribute
 from qtool.plan.node_settings import NodeSettings
+from qtool.plan.ops.forms import float_type_entries
 from qtool.plan.ops.registry import (
     INT4_WEIGHT_ONLY,
     INT8_WEIGHT_ONLY,
@@ -109,6 +110,7 @@ GATHER = OpRule(
         ("ort-cpu", INT4_WEIGHT_ONLY): _gbq("4-bit"),
         ("tensorrt", INT8_WEIGHT_ONLY): _dq_gather("8-bit"),
         ("tensorrt", INT4_WEIGHT_ONLY): _dq_gather("4-bit"),
+        **float_type_entries("Gather", "table"),
     },
 )
 

@@ -15,6 +15,7 @@ import onnx
 
 from qtool.plan.graph import GraphIndex, float_attribute, int_attribute
 from qtool.plan.node_settings import NodeSettings
+from qtool.plan.ops.forms import float_type_entries, fp8_entry
 from qtool.plan.ops.registry import (
     INT4_INT8,
     INT4_WEIGHT_ONLY,
@@ -113,7 +114,7 @@ def gemm_slots(
     if settings.granularity == "per-tensor":
         axis = None
     slot = WeightSlot(w, axis, reduction, 1, block_size, transposed)
-    integer_bias = chosen.activations == "int8" and block_size is None and settings.bits == 8
+    integer_bias = entry.int32_bias and block_size is None
     return NodeSlots(slot, BiasSlot(bias, x, w) if bias_ok and integer_bias else None)
 
 
@@ -158,7 +159,7 @@ _NO_4BIT_QLINEAR = (
 
 
 def _entries(
-    op: str, int8_kernels: tuple[str, ...], int8_when: str
+    op: str, int8_kernels: tuple[str, ...], int8_when: str, bias: bool
 ) -> dict[tuple[str, str], Entry]:
     """The same forms for MatMul and Gemm: they differ in the int8 kernel and the weight axis."""
     nbits = f"MatMulNBits replacing the {op} (com.microsoft; compute type picked for the CPU)"
@@ -173,13 +174,16 @@ def _entries(
     )
     return {
         ("ort-cpu", INT8): Entry(
-            f"DQ(uint8) -> {op}; weight int8 per output channel; output not quantized",
+            f"DQ(uint8) -> {op}; weight int8 per output channel; output not quantized"
+            + ("; bias int32" if bias else ""),
             (op,),
             int8_kernels,
             when=int8_when,
+            int32_bias=bias,
         ),
         ("tensorrt", INT8): Entry(
-            f"DQ(int8, symmetric) -> {op}; weight int8 per output channel; output not quantized",
+            f"DQ(int8, symmetric) -> {op}; weight int8 per output channel; output not quantized"
+            + ("; bias in the float type" if bias else ""),
             (op,),
             int8_kernels,
             when="where ORT rewrites the int8 Q/DQ pair of the input to uint8 (its "
@@ -216,6 +220,12 @@ def _entries(
             (op, "MatMulNBits"),
             not_fused=_NO_4BIT_QLINEAR.format(op=op),
         ),
+        **fp8_entry(
+            f"DQ(fp8 e4m3) -> {op}; weight fp8 per output channel; output not quantized"
+            + ("; bias in the float type" if bias else ""),
+            (op,),
+        ),
+        **float_type_entries(op, "weight and bias" if bias else "weight"),
     }
 
 
@@ -231,7 +241,7 @@ GEMM = OpRule(
         quantizes_float_weights=True,
         check=_qgemm_beta,
     ),
-    entries=_entries("Gemm", ("QGemm",), "alpha = 1 and, with a bias, beta = 1"),
+    entries=_entries("Gemm", ("QGemm",), "alpha = 1 and, with a bias, beta = 1", bias=True),
 )
 
 MATMUL = OpRule(
@@ -248,6 +258,7 @@ MATMUL = OpRule(
         "MatMul",
         ("QLinearMatMul", "MatMulIntegerToFloat"),
         "QLinearMatMul when a QuantizeLinear reads the output, else MatMulIntegerToFloat",
+        bias=False,
     ),
 )
 

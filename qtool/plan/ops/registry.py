@@ -31,18 +31,30 @@ from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import BiasSlot, WeightSlot
 
 # Precision keys: a planned node's NodePlan.precision and NodePlan.activations, "weights/acts".
-# An op without weights is planned "int8" (its activations are). fp16, fp8 and dynamic int8
-# come next: each is a key here and entries in the rules that support it.
+# An op without weights is planned "int8" (or "fp8": its activations are). A node typed fp16 or
+# bf16 has no Q/DQ: its entry says what it is written as and what the runtime makes of it.
+# Dynamic int8 comes next: a key here and entries in the rules that support it.
 INT8 = "int8/int8"
 INT8_WEIGHT_ONLY = "int8/float"
 INT4_WEIGHT_ONLY = "int4/float"
 INT4_INT8 = "int4/int8"
+FP8 = "fp8/fp8"
+FP16 = "fp16/fp16"
+BF16 = "bf16/bf16"
 PRECISIONS: dict[str, str] = {
     INT8: "int8 weights and int8 activations (static ranges)",
     INT8_WEIGHT_ONLY: "int8 weights, float activations (weight-only)",
     INT4_WEIGHT_ONLY: "4-bit weights, float activations (weight-only)",
     INT4_INT8: "4-bit weights, int8 activations",
+    FP8: "FP8 E4M3 weights (per output channel) and FP8 E4M3 activations (per tensor)",
+    FP16: "no Q/DQ: the node computes in FP16, its constant inputs stored FP16",
+    BF16: "no Q/DQ: the node computes in BF16, its constant inputs stored BF16",
 }
+
+
+_UNKNOWN = [(t.name, p) for t in TARGETS.values() for p in t.precisions if p not in PRECISIONS]
+if _UNKNOWN:  # a target offering a key no rule could have an entry for is a typo
+    raise ImportError(f"targets offer unknown precision keys: {_UNKNOWN}")
 
 
 class RegistryError(LookupError):
@@ -158,6 +170,10 @@ class Entry:
     the first that divides the blocked axis is used; None: the recipe's size as asked),
     `unsigned_blocks` (why blocked symmetric weights are stored asymmetric: the form has no
     signed type), `signed_scales` (symmetric 4-bit blocks may take negative scales).
+    `runs_as`: what ORT's CPU provider runs, in words, for a form no ORT kernel fuses (typed
+    FP16, FP8 Q/DQ); empty: "float". `int32_bias`: the form stores the bias as int32 behind a
+    DequantizeLinear (ORT's QLinearConv/QGemm add it in the accumulator; TensorRT's
+    DequantizeLinear takes no int32, so its forms leave the bias in the float type).
     """
 
     written: str
@@ -165,6 +181,8 @@ class Entry:
     fuses_into: tuple[str, ...] = ()
     when: str = ""
     not_fused: NotFused | None = None
+    runs_as: str = ""
+    int32_bias: bool = False
     always_blocked: bool = False
     block_sizes: tuple[int, ...] | None = None
     unsigned_blocks: str | None = None
@@ -238,8 +256,9 @@ _RULES: dict[str, OpRule] = {}
 
 
 def _check(rule: OpRule) -> None:
-    """Refuse a rule the lookups could not answer for: an entry missing for one target, a key
-    that is no precision, a weight-only entry that cannot say why ORT runs it in float."""
+    """Refuse a rule the lookups could not answer for: an entry missing on a target that offers
+    its precision (or present on one that does not), a key that is no precision, a weight-only
+    entry that cannot say why ORT runs it in float."""
     behaviours = [rule.weights, rule.shares_range, rule.folds]
     if sum(b is not None for b in behaviours) > 1:
         raise RegistryError(f"{rule.op_type}: weights, shares_range and folds exclude each other")
@@ -249,19 +268,28 @@ def _check(rule: OpRule) -> None:
         return
     if rule.shares_range is not None or rule.folds is not None:
         raise RegistryError(f"{rule.op_type}: a pass-through or clamp op is not quantizable")
-    wanted = {target: set(rule.precisions(target)) for target in TARGETS}
     unknown = {t for t, _ in rule.entries} - set(TARGETS)
     if unknown:
         raise RegistryError(f"{rule.op_type}: entries for unknown targets {sorted(unknown)}")
-    if not all(wanted.values()) or len({frozenset(p) for p in wanted.values()}) != 1:
-        raise RegistryError(
-            f"{rule.op_type}: needs entries for the same precisions on every target, has "
-            + "; ".join(f"{t}: {sorted(p)}" for t, p in wanted.items())
-        )
-    for (target, precision), entry in rule.entries.items():
-        where = f"{rule.op_type} ({target}, {precision})"
+    for target_name, precision in rule.entries:
+        where = f"{rule.op_type} ({target_name}, {precision})"
         if precision not in PRECISIONS:
             raise RegistryError(f"{where}: {precision!r} is not one of {list(PRECISIONS)}")
+        if precision not in TARGETS[target_name].precisions:
+            raise RegistryError(f"{where}: target {target_name} does not offer {precision}")
+    # Every target that offers a precision the rule has must have its entry: the same
+    # precisions on every target, as far as each target offers them.
+    keys = {precision for _, precision in rule.entries}
+    wanted = {name: {p for p in keys if p in target.precisions} for name, target in TARGETS.items()}
+    have = {name: set(rule.precisions(name)) for name in TARGETS}
+    if not keys or wanted != have:
+        raise RegistryError(
+            f"{rule.op_type}: needs entries for the same precisions on every target (where "
+            "the target offers them), has "
+            + "; ".join(f"{t}: {sorted(p)}" for t, p in have.items())
+        )
+    for (target_name, precision), entry in rule.entries.items():
+        where = f"{rule.op_type} ({target_name}, {precision})"
         if not entry.op_types:
             raise RegistryError(f"{where}: names no written op type")
         weight_only = precision.endswith("/float")

@@ -24,7 +24,7 @@ def _doc_line(function: Callable) -> str:
 
 def _runs_as(entry: Entry) -> str:
     if not entry.fuses_into:
-        return "float"
+        return entry.runs_as or "float"
     kernels = " / ".join(entry.fuses_into)
     return f"{kernels} ({entry.when})" if entry.when else kernels
 

@@ -54,12 +54,15 @@ class Target:
     places no QDQ pair around ("{op}": the op type; "{form}": what the target's runtime could run
     it as on quantized data, from the op's rule). `integer_kernels`: the runtime kernels that
     compute on integers, where qtool reads the runtime's optimized graph (empty: it does not).
+    `precisions`: the precision keys (registry.PRECISIONS) the target's runtime runs; a rule
+    has an entry for each of them it supports, and none for the others.
     """
 
     name: str
     runtime: str
     unplaced: str
     unplaced_with_form: str
+    precisions: tuple[str, ...]
     integer_kernels: frozenset[str] = frozenset()
 
     def unplaced_reason(self, op_type: str, form: str | None) -> str:
@@ -76,16 +79,31 @@ ORT_CPU = Target(
     unplaced_with_form=(
         "qtool does not quantize {op} yet (ORT's CPU provider has {form}): stays float"
     ),
+    # No FP8 or BF16: ORT's CPU provider has no BF16 kernels for most ops, and its QDQ fusion
+    # cannot load float8 Q/DQ around a MatMul (it builds MatMulIntegerToFloat on float8).
+    precisions=("int8/int8", "int8/float", "int4/float", "int4/int8", "fp16/fp16"),
     integer_kernels=ORT_CPU_INTEGER_KERNELS,
 )
 
-# TensorRT picks each layer's precision itself; qtool does not read its engine, so it has no
-# kernel list and says the same of every op it leaves alone.
+# TensorRT 11 builds strongly typed networks: an op qtool leaves alone runs in the type the file
+# gives it (the float type of the typing pass, or FP32). qtool does not read an engine here (see
+# runtime/tensorrt_engine.py), so the target has no kernel list.
+_TENSORRT_UNPLACED = "qtool places no QDQ pair around {op}; it runs in the type the file gives it"
+
 TENSORRT = Target(
     name="tensorrt",
     runtime="TensorRT",
-    unplaced="qtool places no QDQ pair around {op}; TensorRT chooses its precision",
-    unplaced_with_form="qtool places no QDQ pair around {op}; TensorRT chooses its precision",
+    unplaced=_TENSORRT_UNPLACED,
+    unplaced_with_form=_TENSORRT_UNPLACED,
+    precisions=(
+        "int8/int8",
+        "int8/float",
+        "int4/float",
+        "int4/int8",
+        "fp8/fp8",
+        "fp16/fp16",
+        "bf16/bf16",
+    ),
 )
 
 TARGETS: dict[str, Target] = {target.name: target for target in (ORT_CPU, TENSORRT)}
