@@ -166,3 +166,51 @@ def test_kv_cache_decoder_quantizes_and_decodes(exports, tmp_path, cli, exporter
     assert min(cosines) > floor and np.mean(cosines) > (1 + floor) / 2, (scheme, cosines)
     evaluated = cli("evaluate", path, "--no-progress", "--latency-runs", "1")
     assert evaluated.exit_code == 0, evaluated.output
+
+
+@pytest.mark.parametrize("preset", ["int8-llm", "int4-llm"])
+def test_llm_presets_quantize_and_decode(exports, tmp_path, cli, preset):
+    """`base: int8-llm` / `base: int4-llm` from any folder: the shipped presets quantize the
+    KV-cache decoder as they say (weight-only MatMuls, one int8 table for the embedding and the
+    tied lm_head; int4-llm with AWQ, scale estimation and GPTQ) and it still decodes."""
+    recipe = {
+        "base": preset,
+        "model": {"onnx": str(exports["dynamo"])},
+        "inputs": _inputs(),
+        "calibration": {"data": {"npz": str(_data(tmp_path / "calib.npz", 16, 0))}},
+        "output": {"dir": "out"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("quantize", path, "--no-progress")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    (quantized,) = out.glob("model.int*.onnx")
+    report = json.loads((out / "report.json").read_text())
+    weighted = [n for n in report["nodes"] if n["op_type"] == "MatMul" and "weight" in n]
+    assert len(weighted) == 7 * LAYERS + 1
+    assert all(n["activations"] == "float" for n in weighted)
+    lm_head = next(n for n in weighted if n["source"] == "tied")
+    assert lm_head["precision"] == "int8" and lm_head["runtime"]["runs_as"] == "MatMulNBits"
+    others = {n["precision"] for n in weighted if n is not lm_head}
+    assert others == ({"int4"} if preset == "int4-llm" else {"int8"})
+    model = onnx.load(quantized)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("GatherBlockQuantized") == 1
+    hidden = 32  # tests/data/make_llm_fixtures.py: the float table [VOCAB, hidden] is gone
+    assert not [
+        t
+        for t in model.graph.initializer
+        if t.data_type == onnx.TensorProto.FLOAT and list(t.dims) == [VOCAB, hidden]
+    ]
+    if preset == "int4-llm":
+        assert set(report["algorithms"]) >= {"awq", "scale_estimation", "gptq"}
+        assert ops.count("MatMulNBits") == len(weighted)
+    ids = np.random.default_rng(3).integers(0, VOCAB, 9)
+    float_logits = _decode(_session(out / "model.fp32.onnx"), ids, 5)
+    quant_logits = _decode(_session(quantized), ids, 5)
+    cosine = min(
+        float((f * q).sum() / np.linalg.norm(f) / np.linalg.norm(q))
+        for f, q in zip(float_logits, quant_logits, strict=True)
+    )
+    assert cosine > (0.8 if preset == "int4-llm" else 0.97)
