@@ -4,8 +4,9 @@ For each example, qtool writes its float model (`model.fp32.onnx`) and quantizes
 
 - FP16: nothing quantized, `quantization.float_type: fp16` (the typing pass and its keep rules);
   ModelOpt: AutoCast `convert_to_mixed_precision(low_precision_type="fp16")`, I/O kept FP32;
-- FP8: the `fp8-tensorrt` settings (FP8 E4M3 Q/DQ on Conv/Gemm/MatMul, FP16 elsewhere) with min-max
-  ranges (amax / 448) and with the MSE search on E4M3's grid; ModelOpt:
+- FP8: the `fp8-tensorrt` settings (FP8 E4M3 Q/DQ on the inputs of the Conv/Gemm/MatMul nodes
+  TensorRT's FP8 kernels take, FP16 elsewhere) with min-max ranges (amax / 448) and with the MSE
+  search on E4M3's grid; ModelOpt:
   `quantize(quantize_mode="fp8")` with its max and entropy calibrations (its FP16 elsewhere),
   from the FP8 run's float model and on the same calibration batches.
 
@@ -14,12 +15,16 @@ evaluation set: FP16 fused and unfused, FP8 unfused only (ORT's CPU provider can
 fused). ModelOpt runs in its own venv (benchmarks/.peers/modelopt, as peers.py builds it).
 
     python -m benchmarks.float_types --examples digits,minilm,effnet_lite
+    # after a change to qtool only: ModelOpt's models from the last run, if made on the same
+    # float-model bytes (else it runs again)
+    python -m benchmarks.float_types --examples effnet_lite --reuse-modelopt
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -48,6 +53,8 @@ RESULTS = REPO / "benchmarks" / "results"
 MODELOPT = Peer("modelopt_float", "ModelOpt", PEERS["modelopt"].packages, needs_torch=True)
 MODELOPT_VENV = "modelopt"
 FP8_OPS = ("Conv", "Gemm", "MatMul")
+# The SHA-256 of the float model a ModelOpt run quantized, beside its output (--reuse-modelopt).
+FROM_FILE = "from_fp32.sha256"
 
 
 def _fp16(spec: QuantizationSpec) -> QuantizationSpec:
@@ -79,16 +86,25 @@ SAME_NODES = "qtool fp8 (minmax, ModelOpt's nodes)"
 
 
 def quantized_nodes(path: Path) -> list[str]:
-    """The Conv/Gemm/MatMul nodes of a model whose data input comes from a DequantizeLinear."""
+    """The Conv/Gemm/MatMul nodes of a model whose data input and second input (the weight, or
+    attention's other activation) both come from a DequantizeLinear, directly or through the
+    typing pass's Cast to FP16 (a weight whose scale FP16 cannot hold): a node reading a
+    quantized tensor with a float weight (an FP16 depthwise Conv after a quantized output) does
+    not count."""
     model = onnx.load(str(path), load_external_data=False)
     producer = {out: node for node in model.graph.node for out in node.output}
-    found = []
-    for node in model.graph.node:
-        if node.op_type in FP8_OPS and node.input:
-            source = producer.get(node.input[0])
-            if source is not None and source.op_type == "DequantizeLinear":
-                found.append(node.name)
-    return found
+
+    def dequantized(name: str) -> bool:
+        source = producer.get(name)
+        if source is not None and source.op_type == "Cast":
+            source = producer.get(source.input[0])
+        return source is not None and source.op_type == "DequantizeLinear"
+
+    return [
+        node.name
+        for node in model.graph.node
+        if node.op_type in FP8_OPS and len(node.input) > 1 and all(map(dequantized, node.input[:2]))
+    ]
 
 
 def _recipe(base: Recipe, label: str, folder: Path) -> Recipe:
@@ -149,9 +165,12 @@ def _storage_sqnr(fp32: Path, model: Path, recipe: Recipe) -> float | str:
 
 
 def _fp16_limit(example: str, recipe: Recipe, work: Path) -> dict:
-    """FP32's own FP16 rounding limit: every tensor and weight of the float model rounded to
-    FP16, the arithmetic in FP32 (no op kept, no kernel's own rounding): the bar an FP16 file
-    is held to."""
+    """FP32's own FP16 rounding limit: every node of the float model typed FP16 by the typing
+    pass and every FP16 tensor and weight rounded, the arithmetic in FP32 (no kernel's own
+    rounding): the bar an FP16 file is held to. The typing pass's structural keep rules still
+    apply (normalizations and summing reductions stay FP32; with no calibrated ranges the
+    overflow rules cannot), so a qtool FP16 file whose only kept nodes are those lands on it
+    exactly; a limit with nothing kept at all is not what this measures."""
     row = {"example": example, "label": "FP16 rounding limit (storage)", "method": "-"}
     folder = work / example / "fp16_limit"
     folder.mkdir(parents=True, exist_ok=True)
@@ -204,27 +223,33 @@ def run_example(example: str, work: Path, args, console: Console) -> list[dict]:
         return rows
     for label, (mode, method, source) in MODELOPT_RUNS.items():
         folder = work / example / label.replace(" ", "_").replace("(", "").replace(")", "")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
         recipe = recipes[source]
         fp32 = float_models[source]
         row = {"example": example, "label": label, "method": method, "from": source}
         try:
-            data = folder / "calibration.npz"
-            batches = calibration_batches(recipe, recipe.calibration.batch_size)
-            save_batches(data, [b.inputs for b in batches])
-            started = time.perf_counter()
-            model, info, _ = run_runner(
-                MODELOPT,
-                python,
-                fp32,
-                data,
-                folder,
-                "cnn" if example != "minilm" else "transformer",
-                args.timeout,
-                extra=("--mode", mode, "--method", method),
-            )
-            row["seconds"] = time.perf_counter() - started
+            earlier = _earlier_run(folder, fp32) if args.reuse_modelopt else None
+            if earlier is not None:
+                model, info = earlier
+                row["seconds"], row["reused"] = info.get("wall_s"), True
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                data = folder / "calibration.npz"
+                batches = calibration_batches(recipe, recipe.calibration.batch_size)
+                save_batches(data, [b.inputs for b in batches])
+                started = time.perf_counter()
+                model, info, _ = run_runner(
+                    MODELOPT,
+                    python,
+                    fp32,
+                    data,
+                    folder,
+                    "cnn" if example != "minilm" else "transformer",
+                    args.timeout,
+                    extra=("--mode", mode, "--method", method),
+                )
+                row["seconds"] = time.perf_counter() - started
+                (folder / FROM_FILE).write_text(_sha256(fp32))
             row["settings"], row["versions"] = info.get("settings"), info.get("versions")
             row.update(_score(fp32, model, recipe, True))
             row["quantized_nodes"] = len(quantized_nodes(model))
@@ -239,6 +264,22 @@ def run_example(example: str, work: Path, args, console: Console) -> list[dict]:
             rows.append(same)
             console.print(_line(same), highlight=False)
     return rows
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _earlier_run(folder: Path, fp32: Path) -> tuple[Path, dict] | None:
+    """ModelOpt's model and result from an earlier run in `folder`, if it succeeded on these
+    very float-model bytes (qtool's export is deterministic), else None (run it again)."""
+    model, result, stamp = folder / "model.quant.onnx", folder / "runner.json", folder / FROM_FILE
+    if not (model.is_file() and result.is_file() and stamp.is_file()):
+        return None
+    if stamp.read_text().strip() != _sha256(fp32):
+        return None
+    info = json.loads(result.read_text())
+    return (model, info) if info.get("status") == "ok" else None
 
 
 def _same_nodes(example: str, base: Recipe, modelopt: Path, work: Path) -> dict:
@@ -321,6 +362,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--install-timeout", type=float, default=2400.0)
     p.add_argument("--json", type=Path, default=RESULTS / "float_types.json")
     p.add_argument("--work", type=Path, default=RESULTS / "float_types")
+    p.add_argument(
+        "--reuse-modelopt",
+        action="store_true",
+        help="score ModelOpt's models from an earlier run made on the same float-model bytes "
+        "instead of running ModelOpt again (qtool's rows always run)",
+    )
     args = p.parse_args(argv)
     console = Console()
     rows: list[dict] = []

@@ -326,13 +326,23 @@ def quantize(
             + ", ".join(f"{k} {v}" for k, v in summary["weight_formats"].items()),
             highlight=False,
         )
+    dynamic = result.report.get("dynamic")
+    if dynamic:
+        kinds = ", ".join(f"{k} {v}" for k, v in dynamic["runs_as"].items())
+        console.print(
+            f"dynamic int8 (inputs quantized at run time, no calibrated range): "
+            f"{len(dynamic['nodes'])} nodes, ORT runs them as {kinds}",
+            highlight=False,
+        )
     ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "
     for group, entry in result.report["low_bit"].items():
         console.print(
             f"{ort_words}{group}: {entry['nodes']} nodes, {entry['effect']}", highlight=False
         )
     speed = result.report.get("low_bit_speed")
-    if speed:
+    if speed and "not_measured" in speed:
+        console.print(f"speed against FP32: {speed['not_measured']}", highlight=False)
+    elif speed:
         console.print(
             f"measured on {speed['cpu']} (batch {speed['batch']}, {speed['threads']} thread): "
             f"{speed['speedup']:.2f}x FP32's speed, {speed['verdict']}",

@@ -62,11 +62,22 @@ def _tensor_entries(
     activation_dtype: str,
     pairs: str,
 ) -> list[dict]:
-    """The node's quantized inputs; `pairs` is the type of the pairs it reads (int8, fp8)."""
+    """The node's quantized inputs; `pairs` is the type of the pairs it reads (int8, fp8), or
+    "dynamic" (its input is quantized at run time: no range is stored)."""
     tensors = []
     for name in inputs:
         key = slot_key(name, pairs) if pairs in ("int8", "fp8") else name
-        if key in activations:
+        if pairs == "dynamic" and name in layout.dynamic:
+            tensors.append(
+                {
+                    "tensor": name,
+                    "role": "activation",
+                    "dtype": "uint8",
+                    "range": "dynamic: DynamicQuantizeLinear takes each input's min/max at run "
+                    "time (no calibration)",
+                }
+            )
+        elif key in activations:
             params = activations[key]
             fp8 = pairs == "fp8"
             tensors.append(
@@ -168,11 +179,30 @@ def build_report(
             "weight_formats": dict(sorted(formats.items())),
             "precisions": layout.plan.counts(),
             "weight_only_nodes": sum(1 for n in quantized if n.activations == "float"),
+            "dynamic_nodes": sum(1 for n in quantized if n.activations == "dynamic"),
+            "dynamic_tensors": len(layout.dynamic),
         },
+        "dynamic": dynamic_runtime(layout),
         "low_bit": low_bit_runtime(layout.plan),
         "low_bit_speed": (verification or {}).get("low_bit_speed"),
         "runtime": verification,
         "nodes": nodes,
+    }
+
+
+def dynamic_runtime(layout: Layout) -> dict | None:
+    """The nodes whose inputs are quantized at run time, and what ORT runs each as (from the
+    runtime truth): DynamicQuantizeMatMul or MatMulIntegerToFloat where it fused them, the
+    written MatMulInteger otherwise. None when the model has no dynamic node."""
+    nodes = [n for n in layout.plan.quantized() if n.activations == "dynamic"]
+    if not nodes:
+        return None
+    runs_as = Counter((n.runtime or {}).get("runs_as") or "unknown" for n in nodes)
+    return {
+        "nodes": [n.name for n in nodes],
+        "tensors_quantized_at_run_time": list(layout.dynamic),
+        "runs_as": dict(sorted(runs_as.items())),
+        "fused": sum(1 for n in nodes if (n.runtime or {}).get("status") == "fused"),
     }
 
 

@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Peer runners run inside the peers' own virtual environments (their imports are theirs), and
+# those environments live under benchmarks/.peers (ignored by git) where peers.py built them.
 MODULES = sorted(
-    p for p in (ROOT / "benchmarks").rglob("*.py") if "peer_runners" not in p.parts
-)  # peer runners run inside the peers' own virtual environments (their imports are theirs)
+    p
+    for p in (ROOT / "benchmarks").rglob("*.py")
+    if "peer_runners" not in p.parts
+    and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+)
 
 
 def _qtool_imports(path: Path) -> list[tuple[str, str, int]]:

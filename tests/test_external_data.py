@@ -134,8 +134,11 @@ def external_tensors(path: Path) -> dict[str, dict[str, str]]:
     }
 
 
-def write_case(folder: Path, model: onnx.ModelProto, samples: int = 64) -> tuple[Path, np.ndarray]:
-    """Source model with external data, calibration/evaluation data (.npz), and a recipe."""
+def write_case(
+    folder: Path, model: onnx.ModelProto, samples: int = 64, float_model: str = "always"
+) -> tuple[Path, np.ndarray]:
+    """Source model with external data, calibration/evaluation data (.npz), and a recipe
+    (`output.float_model`: these tests check the float copy unless they say otherwise)."""
     source = save_external(model, folder / "source.onnx")
     x = np.random.default_rng(1).standard_normal((samples, FEATURES)).astype(np.float32)
     np.savez(folder / "data.npz", x=x)
@@ -144,7 +147,7 @@ def write_case(folder: Path, model: onnx.ModelProto, samples: int = 64) -> tuple
         "inputs": {"x": [1, FEATURES]},
         "calibration": {"data": {"npz": "data.npz"}, "batch_size": 16, "method": "minmax"},
         "evaluation": {"data": {"npz": "data.npz"}, "batch_size": 32},
-        "output": {"dir": "out"},
+        "output": {"dir": "out", "float_model": float_model},
     }
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -448,7 +451,7 @@ def test_model_over_2_gib(cli, tmp_path) -> None:
         "inputs": {"x": [1, BIG_N]},
         "calibration": {"data": {"npz": "data.npz"}, "batch_size": 8, "method": "minmax"},
         "evaluation": {"data": {"npz": "data.npz"}, "batch_size": 8},
-        "output": {"dir": "out"},
+        "output": {"dir": "out", "float_model": "always"},  # checked below
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

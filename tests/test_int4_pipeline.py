@@ -303,7 +303,7 @@ def _embedding_model(path: Path) -> np.ndarray:
             "quantization.weights.block_size: applies to granularity 'block'",
         ),
         ({"weights": {"method": "hqq"}}, "quantization.weights.method: must be one of"),
-        ({"activations": "int4"}, "quantization.activations: must be one of int8, float"),
+        ({"activations": "int4"}, "quantization.activations: must be one of int8, dynamic, float"),
         ({"overrides": [{"precision": "int4"}]}, "quantization.overrides[0]: needs `nodes`"),
         (
             {"overrides": [{"nodes": "p*", "precision": "int4", "weights": {"bits": 8}}]},

@@ -43,6 +43,7 @@ from qtool.plan.ops.registry import (
     FP16,
     INT4_WEIGHT_ONLY,
     INT8,
+    INT8_DYNAMIC,
     INT8_WEIGHT_ONLY,
     PRECISIONS,
     Entry,
@@ -93,7 +94,10 @@ def test_every_quantizable_op_type_has_entries_for_every_target() -> None:
         # the same precisions on every target, as far as the target offers them (FP8 and BF16
         # are TensorRT's)
         shared = set(ORT_CPU.precisions) & set(TARGETS["tensorrt"].precisions)
-        assert precisions["ort-cpu"] and precisions["ort-cpu"] == precisions["tensorrt"] & shared
+        assert precisions["ort-cpu"] & shared == precisions["tensorrt"] & shared
+        # dynamic int8 is ORT's alone (DynamicQuantizeLinear + MatMulInteger)
+        assert precisions["ort-cpu"] - shared <= {INT8_DYNAMIC}, op_type
+        assert precisions["ort-cpu"]
         assert precisions["ort-cpu"] <= set(ORT_CPU.precisions), op_type
         for (target, precision), entry in found.entries.items():
             assert precision in PRECISIONS and entry.op_types and entry.written, (op_type, target)
@@ -105,8 +109,13 @@ def test_the_registry_knows_what_the_layout_can_plan() -> None:
     """Weighted ops at every weight precision with and without int8 activations, weightless ops
     at int8 only, embeddings weight-only only."""
     for op_type in ("Conv", "Gemm", "MatMul"):
-        assert set(rule(op_type).precisions("ort-cpu")) == set(ORT_CPU.precisions)
-        assert set(rule(op_type).precisions("tensorrt")) == set(PRECISIONS)
+        # dynamic int8: ORT's dynamic kernels take MatMul/Gemm (ConvInteger is not planned)
+        dynamic = {INT8_DYNAMIC} if op_type != "Conv" else set()
+        assert (
+            set(rule(op_type).precisions("ort-cpu"))
+            == set(ORT_CPU.precisions) - {INT8_DYNAMIC} | dynamic
+        )
+        assert set(rule(op_type).precisions("tensorrt")) == set(PRECISIONS) - {INT8_DYNAMIC}
     for op_type in ("Add", "Mul", "Concat", "GlobalAveragePool", "AveragePool"):
         # quantized at int8 only (no FP8 form: no FP8 kernel to feed); typed FP16/BF16 as any op
         assert set(rule(op_type).precisions("tensorrt")) == {INT8, FP16, BF16}

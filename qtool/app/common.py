@@ -13,9 +13,11 @@ from qtool.pipeline.requests import requests_for
 from qtool.pipeline.statistics import Statistics, collect_statistics, read_statistics
 
 
-def prepare(recipe: Recipe) -> Prepared:
-    """The recipe's model loaded, prepared, equalized when asked, frozen and planned."""
-    return prepare_stage(
+def prepare(recipe: Recipe, lazy_weights: bool = False) -> Prepared:
+    """The recipe's model loaded, prepared, equalized when asked, frozen and planned.
+    `lazy_weights`: see pipeline.prepare.prepare (quantize without the search). A float model
+    over protobuf's limit is an output only when the recipe asks (`output.float_model`)."""
+    prepared = prepare_stage(
         recipe.model,
         recipe.quantization,
         recipe.calibration.method,
@@ -23,7 +25,10 @@ def prepare(recipe: Recipe) -> Prepared:
         recipe.float_model_path,
         str(recipe.path),
         recipe.algorithms.cross_layer_equalization,
+        lazy_weights,
     )
+    prepared.model.commit_staged = recipe.float_model == "always"
+    return prepared
 
 
 def statistics(

@@ -67,6 +67,17 @@ class Evaluation:
         return all(gate.passed for gate in self.gates)
 
 
+def _float_reference(recipe: Recipe) -> Path:
+    """model.fp32.onnx, or the recipe's own ONNX model where quantize wrote no float copy (a
+    model over 2 GB without `output.float_model: always`): the provenance check accepts the
+    source model the quantized one records."""
+    path = recipe.float_model_path
+    source = recipe.model.onnx
+    if not path.exists() and source is not None and Path(source).is_file():
+        return Path(source)
+    return path
+
+
 def run(
     options: EvaluateOptions,
     recipe: Path | None = None,
@@ -87,7 +98,7 @@ def run(
         if loaded.evaluation is None:
             raise RecipeError(f"{recipe}: evaluation: is required for `qtool evaluate RECIPE`")
         spec: EvaluationSpec | None = loaded.evaluation
-        fp32_path, quant_path = loaded.float_model_path, quantized_path(loaded)
+        fp32_path, quant_path = _float_reference(loaded), quantized_path(loaded)
         batches = iter_batches(spec.data, loaded.inputs, spec.batch_size, seed=loaded.seed)
         text = spec.data.text is not None
     else:

@@ -91,6 +91,15 @@ def _check_recipe(recipe: Recipe) -> QatSpec:
             f"{recipe.path}: quantization ({what}): qtool qat trains int8 and int4 fake "
             "quantization; FP8 and the FP16/BF16 typing are written by `qtool quantize`"
         )
+    dynamic = [("quantization", quantization.activations)]
+    dynamic += [(o.where, o.activations) for o in quantization.overrides]
+    where = next((w for w, activations in dynamic if activations == "dynamic"), None)
+    if where is not None:
+        raise RecipeError(
+            f"{recipe.path}: {where}.activations: qtool qat does not train dynamic INT8 yet "
+            "(no fake quantization of run-time ranges); train with int8 and write the dynamic "
+            "model with `qtool quantize`"
+        )
     qat = recipe.qat or QatSpec()
     train = qat.data or recipe.calibration.data
     if train.text is not None:
@@ -114,6 +123,8 @@ def _prepare(recipe: Recipe, net) -> Prepared:
     model = prepare_in_place(loaded, min_opset, str(recipe.model.pytorch))
     del loaded
     frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model), size)
+    del model
+    frozen.materialize()  # training reads every weight (a staged model comes back lazy)
     layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)
     for node in layout.plan:
         if node.weight is not None and node.weight.method == "gptq":

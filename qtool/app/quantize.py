@@ -16,6 +16,7 @@ from qtool.app import settings
 from qtool.app.common import prepare, statistics
 from qtool.config.recipe import Recipe
 from qtool.io import commit_files
+from qtool.model.memory import release_freed_memory
 from qtool.pipeline.build import Built, build_quantized
 from qtool.pipeline.finish import verify_and_report, verify_feeds
 from qtool.pipeline.prepare import Prepared
@@ -41,10 +42,13 @@ def quantize(
     `auto` (or a `mixed_precision:` section) runs the mixed-precision search first: it chooses
     every node's precision, and the model written is the one it verified."""
     distributed.require_single_process("qtool quantize")
-    prepared = prepare(recipe)
+    searching = auto or recipe.mixed_precision is not None
+    # Without the search, a model over 2 GB keeps its weights in the staged float file: each is
+    # read when it is quantized (the search reads the whole float model, many times).
+    prepared = prepare(recipe, lazy_weights=not searching)
     try:
         mixed: MixedOutcome | None = None
-        if auto or recipe.mixed_precision is not None:
+        if searching:
             mixed = search(
                 prepared,
                 settings.job(recipe),
@@ -55,9 +59,14 @@ def quantize(
             run, built, model_path = mixed.statistics, mixed.built, mixed.model_path
         else:
             run = statistics(recipe, prepared, stats_path, progress)
+            # The build reads the proto, sessions read the file: the bytes are not held too.
+            prepared.model.spill(recipe.float_model_path)
             built = build_quantized(
                 prepared.model, prepared.layout, run, settings.build_settings(recipe), progress
             )
+            # verification runs ORT on the files: the float proto is read no more
+            prepared.model.model = None
+            release_freed_memory()
             model_path = recipe.quant_model_path
         if prepared.equalization is not None:  # first: the order the algorithms ran in
             equalization = {"cross_layer_equalization": prepared.equalization}

@@ -47,12 +47,14 @@ from qtool.metrics.spec import GATE_METRICS, EvaluationSpec, gate_problem, rows_
 from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
 from qtool.pipeline.outputs import OutputFiles
+from qtool.plan.attention import ATTENTION_ROLES
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
     ACTIVATION_PRECISIONS,
     BLOCK_SIZES,
     DEFAULT_OP_TYPES,
+    DYNAMIC_TARGETS,
     FLOAT_IO,
     FLOAT_TYPES,
     INT4_FORMATS,
@@ -91,6 +93,10 @@ class Recipe:
     qat: QatSpec | None = None
     # `quantization.algorithms` in the file; its own type: no stage below the build needs it
     algorithms: Algorithms = field(default_factory=Algorithms)
+    # `output.float_model`: `auto` writes model.fp32.onnx unless the prepared model is over
+    # protobuf's limit (then its weights live in a temporary file only while the command runs);
+    # `always` writes it (and its .data) whatever its size.
+    float_model: str = "auto"
 
     @property
     def outputs(self) -> OutputFiles:
@@ -120,6 +126,7 @@ class Recipe:
         return self.outputs.report
 
 
+FLOAT_MODEL_CHOICES = ("auto", "always")
 _SHOW = reprlib.Repr()  # keyword arguments need Python 3.12
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 2, 60, 60, 4, 4
 _SHOW.maxlong = 40
@@ -289,7 +296,10 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
     out = top.get("output", {})
-    reader.mapping(out, "output", {"dir"})
+    reader.mapping(out, "output", {"dir", "float_model"})
+    float_model = reader.choice(
+        out.get("float_model", "auto"), "output.float_model", FLOAT_MODEL_CHOICES
+    )
     if output_dir is not None:
         out_path = Path(output_dir)
         if reader.probe(out_path, "--output-dir", Path.exists) and not out_path.is_dir():
@@ -315,6 +325,7 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         mixed,
         qat,
         algorithms,
+        float_model,
     )
 
 
@@ -668,7 +679,42 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         float_io=float_io,
     )
     _check_target_precisions(reader, spec)
+    _check_dynamic(reader, spec)
     return spec
+
+
+def _check_dynamic(reader: _Reader, spec: QuantizationSpec) -> None:
+    """Dynamic int8 is ONNX Runtime's form (DynamicQuantizeLinear + MatMulInteger): refused for
+    another target, and where the same level asks for weights MatMulInteger cannot multiply."""
+    levels = [("quantization", spec.activations, spec.precision, spec.weights)]
+    levels += [(o.where, o.activations, o.precision, o.weights) for o in spec.overrides]
+    for where, activations, precision, weights in levels:
+        if activations != "dynamic":
+            continue
+        if spec.target not in DYNAMIC_TARGETS:
+            raise reader.fail(
+                f"{where}.activations",
+                f"dynamic is ONNX Runtime's form (DynamicQuantizeLinear + MatMulInteger); target "
+                f"{spec.target} has none (use {', '.join(DYNAMIC_TARGETS)}, or int8)",
+            )
+        if precision not in (None, "int8") or weights.bits not in (None, 8):
+            asked = precision if precision not in (None, "int8") else f"{weights.bits}-bit weights"
+            raise reader.fail(
+                f"{where}.activations",
+                f"dynamic needs int8 weights (MatMulInteger multiplies 8-bit ones), not {asked}",
+            )
+        if weights.granularity == "block":
+            raise reader.fail(
+                f"{where}.weights.granularity",
+                "block contradicts activations dynamic (MatMulInteger takes per-channel or "
+                "per-tensor weights)",
+            )
+        if spec.float_type != "fp32":
+            raise reader.fail(
+                "quantization.float_type",
+                f"{spec.float_type} contradicts activations dynamic at {where} "
+                "(DynamicQuantizeLinear reads FP32 only)",
+            )
 
 
 def _with_precision(
@@ -831,20 +877,27 @@ def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
 
 
 def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
-    reader.mapping(
-        raw, where, {"nodes", "op_types", "precision", "weights", "activations", "constant_weight"}
-    )
+    keys = {"nodes", "op_types", "roles", "precision", "weights", "activations", "constant_weight"}
+    reader.mapping(raw, where, keys)
     nodes = raw.get("nodes", [])
     nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
     op_types = raw.get("op_types", [])
     op_types = _read_op_types(
         reader, [op_types] if isinstance(op_types, str) else op_types, f"{where}.op_types"
     )
-    if not nodes and not op_types:
-        raise reader.fail(where, "needs `nodes` (name globs) or `op_types` to say what it matches")
     constant_weight = raw.get("constant_weight")
     if constant_weight is not None:
         constant_weight = reader.boolean(constant_weight, f"{where}.constant_weight")
+    roles = raw.get("roles", [])
+    roles = reader.string_list([roles] if isinstance(roles, str) else roles, f"{where}.roles")
+    for index, role in enumerate(roles):
+        reader.choice(role, f"{where}.roles[{index}]", ATTENTION_ROLES)
+    if not nodes and not op_types and not roles:
+        raise reader.fail(
+            where,
+            "needs `nodes` (name globs), `op_types` or `roles` (attention roles) to say what "
+            "it matches",
+        )
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")
     precision = raw.get("precision")
     activations = raw.get("activations")
@@ -861,6 +914,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         where=where,
         nodes=nodes,
         op_types=op_types,
+        roles=roles,
         precision=precision,
         weights=weights,
         activations=None

@@ -25,11 +25,12 @@ import hashlib
 import math
 import tempfile
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor
@@ -42,12 +43,19 @@ __all__ = [
     "PROTOBUF_LIMIT",
     "StagedModel",
     "check_model",
+    "check_skeleton",
+    "convert_without_weights",
     "data_nbytes",
     "external_files",
+    "is_lazy",
+    "lazy_file",
+    "make_lazy",
+    "tensor_array",
     "model_sha256",
     "needs_external_data",
     "save_model",
     "stage_model",
+    "weightless_copy",
     "write_model",
 ]
 
@@ -104,9 +112,10 @@ def raw_nbytes(tensor: TensorProto) -> int:
 
 def tensor_nbytes(tensor: TensorProto) -> int:
     """What `tensor`'s data adds to a serialized proto, without reading the data (accessing
-    raw_data copies it: 60 ms per 64 MB); 0 when it lives in an external file already."""
+    raw_data copies it: 60 ms per 64 MB); 0 when it lives in an external file already, unless
+    it is a lazy weight (`lazy_file`), which whoever writes the model copies into its file."""
     if tensor.data_location == TensorProto.EXTERNAL:
-        return 0
+        return raw_nbytes(tensor) if lazy_file(tensor) is not None else 0
     if tensor.HasField("raw_data"):
         return raw_nbytes(tensor)
     if tensor.data_type == TensorProto.STRING:
@@ -178,12 +187,73 @@ _DATA_FIELDS = frozenset(
 )
 
 
-def _goes_external(tensor: TensorProto) -> bool:
-    return (
-        tensor.data_type not in (TensorProto.STRING, TensorProto.UNDEFINED)
-        and tensor.data_location != TensorProto.EXTERNAL
-        and tensor_nbytes(tensor) >= MIN_EXTERNAL_BYTES
-    )
+def _goes_external(tensor: TensorProto, keep: Collection[str] = ()) -> bool:
+    if tensor.data_type in (TensorProto.STRING, TensorProto.UNDEFINED) or tensor.name in keep:
+        return False
+    if tensor.data_location == TensorProto.EXTERNAL:  # a lazy weight's bytes are copied over
+        return lazy_file(tensor) is not None
+    return tensor_nbytes(tensor) >= MIN_EXTERNAL_BYTES
+
+
+# Lazy weights: initializers of a model held in memory without their data, each an EXTERNAL
+# reference whose location is an absolute path (a staged float model's data file). qtool reads
+# one at a time (`tensor_array`) and copies their bytes when it writes the model (`_layout`);
+# ONNX Runtime and onnx's loader refuse absolute locations, so such a model is never handed to
+# either: it is written first (stage_model, save_model, write_model).
+
+
+def lazy_file(tensor: TensorProto) -> tuple[Path, int, int] | None:
+    """(file, offset, length) of a lazy weight, None for any other tensor."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    entries = {e.key: e.value for e in tensor.external_data}
+    location = Path(entries.get("location", ""))
+    if not location.is_absolute():
+        return None
+    length = int(entries["length"]) if "length" in entries else raw_nbytes(tensor)
+    return location, int(entries.get("offset", 0)), length
+
+
+def make_lazy(model: onnx.ModelProto, folder: Path) -> None:
+    """Turn `model`'s external references (relative to `folder`) into lazy weights, in place."""
+    for tensor in _graph_tensors(model.graph):
+        if tensor.data_location == TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location" and not Path(entry.value).is_absolute():
+                    entry.value = str((Path(folder) / entry.value).resolve())
+
+
+def is_lazy(model: onnx.ModelProto) -> bool:
+    """Whether any initializer of `model` is a lazy weight."""
+    return any(lazy_file(t) is not None for t in model.graph.initializer)
+
+
+def _read_lazy(tensor: TensorProto) -> bytes:
+    where = lazy_file(tensor)
+    assert where is not None
+    path, offset, length = where
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(length)
+    except OSError as exc:
+        raise ModelError(f"initializer {tensor.name!r}: cannot read {path} ({exc})") from None
+    if len(data) != length:
+        raise ModelError(
+            f"initializer {tensor.name!r}: {path} ends before offset {offset} + {length} bytes"
+        )
+    return data
+
+
+def tensor_array(tensor: TensorProto) -> np.ndarray:
+    """`tensor`'s values as numpy_helper.to_array gives them; a lazy weight is read from its file
+    (one tensor's bytes, the proto untouched: the model's memory does not grow)."""
+    if lazy_file(tensor) is None:
+        return numpy_helper.to_array(tensor)
+    loaded = TensorProto()
+    _copy_fields(tensor, loaded, _DATA_FIELDS)
+    loaded.raw_data = _read_lazy(tensor)
+    return numpy_helper.to_array(loaded)
 
 
 @dataclass
@@ -196,9 +266,10 @@ class _Layout:
     lengths: list[int]
 
 
-def _layout(model: onnx.ModelProto, location: str) -> _Layout:
-    """Build the skeleton: every field of `model`, each large main-graph initializer replaced by
-    a reference to `location` at an aligned offset (computed from its type and shape)."""
+def _layout(model: onnx.ModelProto, location: str, keep: Collection[str] = ()) -> _Layout:
+    """Build the skeleton: every field of `model`, each large main-graph initializer (but those
+    named in `keep`) replaced by a reference to `location` at an aligned offset (computed from its
+    type and shape)."""
     skeleton = onnx.ModelProto()
     _copy_fields(model, skeleton, frozenset({"graph"}))
     _copy_fields(model.graph, skeleton.graph, frozenset({"initializer"}))
@@ -208,7 +279,7 @@ def _layout(model: onnx.ModelProto, location: str) -> _Layout:
     end = 0
     for init in model.graph.initializer:
         out = skeleton.graph.initializer.add()
-        if not _goes_external(init):
+        if not _goes_external(init, keep):
             out.CopyFrom(init)
             continue
         _copy_fields(init, out, _DATA_FIELDS)
@@ -243,6 +314,8 @@ def _serialize_skeleton(skeleton: onnx.ModelProto, name: str) -> bytes:
 
 
 def _raw_bytes(tensor: TensorProto) -> bytes:
+    if lazy_file(tensor) is not None:
+        return _read_lazy(tensor)
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data  # typed -> raw
@@ -292,17 +365,105 @@ def check_model(model: onnx.ModelProto, serialized: bytes | None = None) -> None
     more is checked as its skeleton file beside a sparse data file of the right size (the checker
     reads references, not the weights): no serialization of the whole model, nothing written.
     `serialized`: `model`'s bytes when the caller has them (the checker would serialize again)."""
-    if data_nbytes(model) < min(CHECK_IN_MEMORY_BYTES, EXTERNAL_DATA_THRESHOLD):
+    small = data_nbytes(model) < min(CHECK_IN_MEMORY_BYTES, EXTERNAL_DATA_THRESHOLD)
+    if small and not is_lazy(model):
         onnx.checker.check_model(serialized if serialized is not None else model)
         return
+    layout = _layout(model, "model.onnx.data")
+    _check_skeleton(layout.skeleton, _data_end(layout), model.graph.name)
+
+
+def _data_end(layout: _Layout) -> int:
+    return layout.offsets[-1] + layout.lengths[-1] if layout.tensors else 0
+
+
+def _check_skeleton(skeleton: onnx.ModelProto, end: int, name: str) -> None:
+    """onnx.checker on a skeleton whose references name one data file: written beside a sparse
+    data file of `end` bytes in a temporary folder (the location is set to the file's name)."""
     with tempfile.TemporaryDirectory(prefix="qtool-check-") as folder:
         path = Path(folder) / "model.onnx"
-        layout = _layout(model, data_location(path))
-        path.write_bytes(_serialize_skeleton(layout.skeleton, model.graph.name))
-        end = layout.offsets[-1] + layout.lengths[-1] if layout.tensors else 0
+        _set_location(skeleton, data_location(path))
+        path.write_bytes(_serialize_skeleton(skeleton, name))
         with open(path.parent / data_location(path), "wb") as handle:
             handle.truncate(end)
         onnx.checker.check_model(str(path))
+
+
+# The placeholder that large initializers reference while a converter runs without them.
+_DETACHED = "qtool-detached-weights"
+
+
+def convert_without_weights(
+    model: onnx.ModelProto,
+    convert: Callable[[onnx.ModelProto], onnx.ModelProto],
+    keep: Collection[str] = (),
+) -> onnx.ModelProto:
+    """Run `convert` (a whole-model rewrite that copies its input: onnx's version converter) on
+    `model` without its weights, and make `model` the converted model, in place, around its own
+    large initializers (all but those named in `keep`, which `convert` may need to read).
+
+    Why in place: a protobuf message frees nothing it held until the whole message goes (upb
+    allocates in one arena per message tree; ClearField, CopyFrom and deleting from a repeated
+    field release no memory), so copying a model and detaching its data (the old way) peaked at
+    five copies of the weights while preparing (a 304 MB decoder: 1.54 GB). Here `convert` sees a
+    skeleton whose large initializers are references to a placeholder file (no data read); its
+    result's nodes, graph fields and small initializers replace `model`'s, the large initializers
+    stay where they are, reordered to the converted order (a pointer swap). Returns the converted
+    skeleton (for checks that need no weights: `check_skeleton` of it). An initializer that
+    `convert` dropped is dropped from `model` too."""
+    layout = _layout(model, _DETACHED, keep)
+    converted = convert(layout.skeleton)
+    graph, result = model.graph, converted.graph
+    for fd in model.DESCRIPTOR.fields:
+        if fd.name != "graph":
+            model.ClearField(fd.name)
+    _copy_fields(converted, model, frozenset({"graph"}))
+    for fd in graph.DESCRIPTOR.fields:
+        if fd.name != "initializer":
+            graph.ClearField(fd.name)
+    _copy_fields(result, graph, frozenset({"initializer"}))
+    order: dict[str, int] = {}
+    small: dict[str, TensorProto] = {}
+    for index, init in enumerate(result.initializer):
+        order[init.name] = index
+        if not _is_detached(init):
+            small[init.name] = init
+    kept = {init.name for init in graph.initializer if init.name in order}
+    drop = [i for i, t in enumerate(graph.initializer) if t.name not in order or t.name in small]
+    for index in reversed(drop):
+        del graph.initializer[index]
+    for init in small.values():
+        graph.initializer.add().CopyFrom(init)
+    missing = set(order) - kept - set(small)
+    if missing:
+        raise ModelError(f"converting the model lost the data of initializer {min(missing)!r}")
+    graph.initializer.sort(key=lambda t: order[t.name])
+    return converted
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`'s skeleton as `convert_without_weights` gives it to a converter (no data read):
+    what `check_skeleton` checks for the model before a conversion."""
+    return _layout(model, _DETACHED).skeleton
+
+
+def _is_detached(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == _DETACHED for e in tensor.external_data
+    )
+
+
+def check_skeleton(skeleton: onnx.ModelProto) -> None:
+    """onnx.checker on a skeleton from `convert_without_weights` (its weights are references):
+    checked beside a sparse placeholder file as large as its references need."""
+    end = 0
+    for init in skeleton.graph.initializer:
+        if _is_detached(init):
+            entries = {e.key: int(e.value) for e in init.external_data if e.key != "location"}
+            end = max(end, entries.get("offset", 0) + entries.get("length", 0))
+    checked = onnx.ModelProto()
+    checked.CopyFrom(skeleton)
+    _check_skeleton(checked, end, skeleton.graph.name)
 
 
 @dataclass
@@ -349,6 +510,13 @@ class StagedModel:
                 load_external_data_for_tensor(tensor, folder)
                 tensor.data_location = TensorProto.DEFAULT
                 del tensor.external_data[:]
+        return model
+
+    def lazy(self) -> onnx.ModelProto:
+        """The model with lazy weights (see `lazy_file`): its large initializers read from the
+        staged data file one at a time when needed, never all at once."""
+        model = self.structure()
+        make_lazy(model, self.session_path.parent)
         return model
 
     def structure(self) -> onnx.ModelProto:

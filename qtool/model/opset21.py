@@ -16,8 +16,9 @@ onnx 1.23 and comparing ORT outputs before and after:
   ORT then rejects the model: the constant scale and bias are repeated per channel afterwards
   (main graph only; a non-constant scale is an error naming the node).
 
-Large weights are detached from the model while the converter runs (it copies the whole protobuf
-and cannot serialise more than 2 GB) and put back by name afterwards.
+The converter runs on the model without its large weights (it copies the whole protobuf and
+cannot serialise more than 2 GB): external_data.convert_without_weights, which leaves them in
+place in the model.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ import onnx
 from onnx import helper, inliner, numpy_helper, shape_inference, version_converter
 
 from qtool.errors import ModelError, first_line
-from qtool.model.external_data import check_model
+from qtool.model import external_data
 
-__all__ = ["TARGET_OPSET", "upgrade_to_opset21"]
+__all__ = ["TARGET_OPSET", "upgrade_to_opset21", "upgrade_to_opset21_in_place"]
 
 TARGET_OPSET = 21
 _TARGET_IR = helper.find_min_ir_version_for([helper.make_opsetid("", TARGET_OPSET)])
 _MIN_SOURCE_OPSET = 7  # the oldest opset ONNX Runtime loads
-_DETACH_BYTES = 1024  # tensors above this travel outside the converter; small ones may be read
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -43,46 +43,64 @@ def upgrade_to_opset21(model: onnx.ModelProto) -> onnx.ModelProto:
 
     The IR version is raised to the one opset 21 needs (10, which also introduces INT4). Raises
     ModelError naming the node when an op cannot be converted, and when the model's opset is
-    below 7. The result is checked with onnx.checker unless it is over protobuf's 2 GB limit.
+    below 7. The result is checked with onnx.checker (without its weights).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    source = _default_opset(out)
+    upgrade_to_opset21_in_place(out)
+    return out
+
+
+def upgrade_to_opset21_in_place(model: onnx.ModelProto) -> None:
+    """`upgrade_to_opset21` on `model` itself: the converter runs on the model without its
+    weights (external_data.convert_without_weights), so preparing a model holds its weights once
+    (copying first and detaching them after held them five times)."""
+    source = _default_opset(model)
     if source >= TARGET_OPSET:
-        return out
+        return
     if source < _MIN_SOURCE_OPSET:
         raise ModelError(
-            f"model {out.graph.name!r} has opset {source}; upgrading needs opset "
+            f"model {model.graph.name!r} has opset {source}; upgrading needs opset "
             f"{_MIN_SOURCE_OPSET} or later"
         )
-    if out.functions:
-        out = inliner.inline_local_functions(out)
+    if model.functions:
+        model.CopyFrom(inliner.inline_local_functions(model))
     if source < 13:
-        _rewrite_old_hardmax(out.graph)
-    detached = detach_large_tensors(out.graph)
-    try:
-        converted = version_converter.convert_version(out, TARGET_OPSET)
-    except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
-        attach_tensors(out.graph, detached)
-        raise _conversion_error(out, source, exc) from None
-    if source >= 18:
-        _group_norm_scale_per_channel(converted)  # before re-attaching: shape inference < 2 GB
-    attach_tensors(converted.graph, detached)
-    converted.ir_version = max(converted.ir_version, _TARGET_IR)
-    _check_conversion(model, converted)
-    return converted
+        _rewrite_old_hardmax(model.graph)
+    original = external_data.weightless_copy(model)
+
+    def convert(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+        try:
+            converted = version_converter.convert_version(skeleton, TARGET_OPSET)
+        except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
+            raise _conversion_error(skeleton, source, exc) from None
+        if source >= 18:
+            _group_norm_scale_per_channel(converted)
+        converted.ir_version = max(converted.ir_version, _TARGET_IR)
+        return converted
+
+    converted = external_data.convert_without_weights(model, convert, _group_norm_inputs(model))
+    _check_conversion(original, converted)
+
+
+def _group_norm_inputs(model: onnx.ModelProto) -> set[str]:
+    """GroupNormalization's scale and bias: read by the fix after conversion."""
+    return {
+        name
+        for node in model.graph.node
+        if node.op_type == "GroupNormalization"
+        for name in node.input[1:]
+    }
 
 
 def _check_conversion(original: onnx.ModelProto, converted: onnx.ModelProto) -> None:
-    """onnx.checker on the result; a failure the original model has too is not the converter's.
-
-    Models over protobuf's 2 GB limit are checked without serializing them (external_data).
-    """
+    """onnx.checker on the converted skeleton; a failure the original has too is not the
+    converter's. Both are skeletons (their weights are references), checked without the data."""
     try:
-        check_model(converted)
+        external_data.check_skeleton(converted)
     except Exception as exc:
         try:
-            check_model(original)
+            external_data.check_skeleton(original)
         except Exception:
             return
         raise ModelError(
@@ -126,32 +144,6 @@ def _rewrite_old_hardmax(graph: onnx.GraphProto) -> None:
             ]
         del g.node[:]
         g.node.extend(nodes)
-
-
-def detach_large_tensors(graph: onnx.GraphProto) -> dict[str, bytes]:
-    """Move big raw_data out of main-graph initializers; the converter's adapters only read small
-    constants, and GroupNormalization's scale and bias stay for the fix after conversion."""
-    keep = {
-        name
-        for node in graph.node
-        if node.op_type == "GroupNormalization"
-        for name in node.input[1:]
-    }
-    detached: dict[str, bytes] = {}
-    for init in graph.initializer:
-        if init.name in keep:
-            continue
-        if init.HasField("raw_data") and len(init.raw_data) > _DETACH_BYTES:
-            detached[init.name] = init.raw_data
-            init.ClearField("raw_data")
-    return detached
-
-
-def attach_tensors(graph: onnx.GraphProto, detached: dict[str, bytes]) -> None:
-    """Put the data back by name (an initializer an adapter removed is read by nothing)."""
-    for init in graph.initializer:
-        if init.name in detached:
-            init.raw_data = detached[init.name]
 
 
 def _conversion_error(model: onnx.ModelProto, source: int, exc: Exception) -> ModelError:

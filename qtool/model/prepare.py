@@ -26,18 +26,13 @@ import onnx
 from onnx import version_converter
 
 from qtool.errors import ModelError
-from qtool.model.external_data import needs_external_data
+from qtool.model.external_data import convert_without_weights
 from qtool.model.fold_bn import fold_batch_norms
 from qtool.model.fold_constants import fold_constants
 from qtool.model.fold_pad import fold_pads
 from qtool.model.fuse_gemm import fuse_matmul_add
 from qtool.model.graph_edit import delete_indexes, drop_where, subgraph_names
-from qtool.model.opset21 import (
-    TARGET_OPSET,
-    attach_tensors,
-    detach_large_tensors,
-    upgrade_to_opset21,
-)
+from qtool.model.opset21 import TARGET_OPSET, upgrade_to_opset21_in_place
 from qtool.model.shapes import Inference, infer, write_inference
 from qtool.model.tie_weights import share_transposed_copies
 
@@ -137,26 +132,30 @@ def _default_opset(model: onnx.ModelProto) -> int:
 
 
 def _upgrade_opset(model: onnx.ModelProto, min_opset: int) -> None:
+    """Raise the default-domain opset to `min_opset`, in place. The converters copy the whole
+    proto: they run on the model without its weights (external_data.convert_without_weights), so
+    a model is never held twice (nor serialized past protobuf's limit)."""
     current = _default_opset(model)
     if current >= min_opset:
         return
     if min_opset == TARGET_OPSET:  # INT4 / blocked weights: the op-by-op upgrade with its fixes
-        model.CopyFrom(upgrade_to_opset21(model))
+        upgrade_to_opset21_in_place(model)
         return
-    # The converter serializes the model: one over protobuf's limit goes without its weights.
-    detached = detach_large_tensors(model.graph) if needs_external_data(model) else {}
-    try:
-        converted = version_converter.convert_version(model, min_opset)
-    except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
-        attach_tensors(model.graph, detached)
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise ModelError(
-            f"cannot upgrade the model from opset {current} to {min_opset}: {reason}"
-        ) from exc
-    attach_tensors(converted.graph, detached)
-    if _default_opset(converted) < min_opset:
-        raise ModelError(f"cannot upgrade the model from opset {current} to {min_opset}")
-    model.CopyFrom(converted)
+
+    def convert(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+        try:
+            converted = version_converter.convert_version(skeleton, min_opset)
+        except Exception as exc:  # the C++ converter raises bare RuntimeError/ValueError
+            text = str(exc).strip()
+            reason = text.splitlines()[-1] if text else type(exc).__name__
+            raise ModelError(
+                f"cannot upgrade the model from opset {current} to {min_opset}: {reason}"
+            ) from exc
+        if _default_opset(converted) < min_opset:
+            raise ModelError(f"cannot upgrade the model from opset {current} to {min_opset}")
+        return converted
+
+    convert_without_weights(model, convert)
 
 
 def _initializer_inputs_to_weights(graph: onnx.GraphProto) -> None:

@@ -106,6 +106,8 @@ def build_quantized(
     spec = settings.quantization
     stats = statistics.by_name()
     hessians = statistics.hessians
+    if float_model.lazy and _reads_whole_model(settings, layout):
+        float_model.materialize()
     model = float_model.model
     algorithms: dict = {}
     smoothquant = settings.algorithms.smoothquant
@@ -187,7 +189,8 @@ def build_quantized(
     biases = bias_parameters(model, layout, activations, weights)
     correction = settings.algorithms.bias_correction
     changed = smoothquant is not None or awq is not None  # the staged file is the unchanged model
-    if float_model.staged is not None and correction is None and not changed:
+    lazy = float_model.lazy  # the writer copies the lazy weights it keeps from the staged file
+    if float_model.staged is not None and correction is None and not changed and not lazy:
         # The float weights being replaced are read no more (the writer drops them): read back
         # only the rest from the staged file, so the float model is not held while writing.
         # (Not after SmoothQuant or AWQ: the staged file holds the model they changed.)
@@ -252,6 +255,15 @@ def low_bit_options(algorithms: Algorithms) -> LowBitOptions:
         if search is None
         else ScaleSearch(search.steps, search.min_factor, search.refine),
     )
+
+
+def _reads_whole_model(settings: BuildSettings, layout: Layout) -> bool:
+    """Whether a step of the build reads or rewrites the float model beyond the weights it
+    quantizes (a lazy model's weights are read in first): the algorithms, the float typing
+    pass, and TensorRT's engine check (it builds from the model's bytes)."""
+    spec = settings.quantization
+    asked, default = requested_types(layout.plan, spec.float_precision)
+    return bool(settings.algorithms) or needs_typing(asked, default) or spec.target == "tensorrt"
 
 
 def _channels(statistics: Statistics, float_model: FloatModel) -> tuple[dict, str]:

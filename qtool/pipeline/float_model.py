@@ -40,14 +40,29 @@ class FloatModel:
     # The user's model file in bytes (ONNX: with its external data; PyTorch: the export),
     # what sizes are reported against (provenance.SOURCE_MODEL_BYTES).
     source_bytes: int | None = None
+    # A staged model held with lazy weights (external_data.lazy_file): every large initializer
+    # read from the staged file when a stage needs it (the weight being quantized), none held.
+    lazy: bool = False
+    # Whether a staged model's files are outputs of the command (`output.float_model: always`);
+    # else they are temporary, removed by `discard` (no 2 GB float copy left in the folder).
+    commit_staged: bool = True
+
+    def materialize(self) -> None:
+        """Read a lazy model's weights in: for the stages that rewrite or read the whole float
+        model (SmoothQuant, AdaRound, bias correction, the float typing pass, the search)."""
+        if self.lazy and self.staged is not None:
+            self.model = None  # dropped before the read: never held twice
+            self.model = self.staged.load()
+            self.lazy = False
 
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
-        """The float model file(s) to commit at `path` (the path given to `freeze`)."""
+        """The float model file(s) to commit at `path` (the path given to `freeze`); none for a
+        staged model that is not to be kept (`commit_staged`)."""
         if self.staged is None:
             return {path: self.float_file if self.float_file is not None else self.serialized}
         if self.staged.path != path:
             raise ValueError(f"the float model was staged for {self.staged.path}, not {path}")
-        return self.staged.files()
+        return self.staged.files() if self.commit_staged else {}
 
     def release(self, path: Path) -> onnx.ModelProto | None:
         """Hand the ModelProto to the caller and let go of the serialized bytes, staging them as
@@ -80,10 +95,23 @@ class FloatModel:
 
     def session_source(self) -> bytes | Path:
         """What an ONNX Runtime session loads the float model from: its bytes, or the staged
-        file when its weights live in external data."""
+        file when its weights live in external data or the bytes were let go (`spill`)."""
         if self.staged is not None:
             return self.staged.session_path
+        if self.serialized is None and self.float_file is not None:
+            return self.float_file.path
         return self.serialized
+
+    def spill(self, path: Path) -> None:
+        """Write the serialized float model to its staged file for `path` (the commit renames
+        it into place) and let go of the bytes: the proto is what the build reads, and holding
+        both kept the float model twice through the build and verification (a 653 MB decoder:
+        1.3 GB). Sessions then open the file (`session_source`)."""
+        serialized = self.serialized
+        if self.staged is None and serialized is not None:
+            if self.float_file is None:
+                self.float_file = stage(path, lambda handle: handle.write(serialized))
+            self.serialized = None
 
 
 def source_sha256(spec: ModelSpec, onnx_digest: hashlib._Hash | None = None) -> str:
@@ -134,15 +162,21 @@ def freeze(
 ) -> FloatModel:
     """The handle on `model` as it will be written to `float_path` (nothing is written yet,
     except a model over protobuf's limit, staged as external data beside `float_path`);
-    `source_bytes`: the user's model file's size (source_file_bytes)."""
+    `source_bytes`: the user's model file's size (source_file_bytes).
+
+    A staged model comes back lazy (its weights stay in the staged file): the caller still holds
+    `model` during this call, so reading the weights back here would hold them twice; a caller
+    that needs them calls `materialize` once it has dropped `model`."""
     if external_data.needs_external_data(model):
         # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
-        # is written), and read back from there for the same reason the small path re-parses.
+        # is written); read back from there (lazily) for the reason the small path re-parses.
         with phase("writing the float model (external data)"):
             staged = external_data.stage_model(model, float_path)
             del model
-            model = staged.load()
-        return FloatModel(model, None, staged.sha256, source, staged, source_bytes=source_bytes)
+            lazy = staged.lazy()
+        return FloatModel(
+            lazy, None, staged.sha256, source, staged, lazy=True, source_bytes=source_bytes
+        )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every

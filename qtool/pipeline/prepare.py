@@ -15,6 +15,7 @@ from qtool.algorithms.channel_ranges import channel_ranges
 from qtool.algorithms.cle import equalize
 from qtool.algorithms.spec import CleParams
 from qtool.data.source import BatchSource
+from qtool.model.memory import release_freed_memory
 from qtool.model.spec import ModelSpec
 from qtool.phases import phase
 from qtool.pipeline import planning
@@ -39,14 +40,22 @@ def prepare(
     float_path: Path,
     where: str,
     cle: CleParams | None = None,
+    lazy_weights: bool = False,
 ) -> Prepared:
     """Load, export if needed, prepare, equalize (when asked), freeze and plan: nothing is
-    written yet except the staging of a model over protobuf's limit."""
+    written yet except the staging of a model over protobuf's limit.
+
+    `lazy_weights`: a model staged as external data keeps its weights in the staged file
+    (FloatModel.lazy), read one at a time by the stages that can (quantize without the search);
+    else they are read back once the prepared proto is dropped."""
     min_opset = planning.min_opset(source.opset, quantization)
     model, source_sha, source_bytes = load_prepared(source, data.inputs, min_opset)
     equalization = _equalize(model, quantization, cle, data) if cle is not None else None
     frozen = freeze(model, float_path, source_sha, source_bytes)
     del model
+    release_freed_memory()  # the prepared proto (a staged model's weights are in its file now)
+    if not lazy_weights:
+        frozen.materialize()
     try:
         layout = planning.plan(frozen.model, quantization, activation_method, where)
     except BaseException:

@@ -116,7 +116,7 @@ def collect_statistics(
             serialized=None if model.float_file is None else model.float_file.path,
         )
         if model.staged is not None and reload:
-            model.model = model.staged.load()
+            model.model = model.staged.lazy() if model.lazy else model.staged.load()
         elif model.staged is None:  # callers after calibrate read both (analyze: the bytes)
             model.restore()
         stats, hessians, digest = merge_across_processes(

@@ -61,6 +61,9 @@ class Layout:
     # methods that any weight may use (AWQ, scale estimation) find its Hessian.
     weight_inputs: dict[str, str] = field(default_factory=dict)
     typed_tensors: list[str] = field(default_factory=list)
+    # Tensors quantized at run time (dynamic int8: one DynamicQuantizeLinear each, shared by the
+    # nodes that read it); they have no range to calibrate, so stats_tensors leaves them out.
+    dynamic: list[str] = field(default_factory=list)
 
     def stats_tensors(self) -> list[str]:
         slots = {slot.stats_tensor for slot in self.activations.values()}
@@ -79,9 +82,10 @@ def _rule_of(node: onnx.NodeProto) -> OpRule | None:
 
 
 def _pair_type(chosen: NodeSettings, rule: OpRule) -> str | None:
-    """The type of the Q/DQ pairs on the node's float inputs, int8 or fp8; None: weight-only
-    (an embedding's indices are integers, so a Gather has none either)."""
-    if chosen.activations in ("int8", "fp8") and rule.activation_inputs:
+    """The type of the Q/DQ pairs on the node's float inputs, int8 or fp8, or "dynamic" (a
+    DynamicQuantizeLinear, no pair); None: weight-only (an embedding's indices are integers,
+    so a Gather has none either)."""
+    if chosen.activations in ("int8", "dynamic", "fp8") and rule.activation_inputs:
         return chosen.activations
     return None
 
@@ -107,10 +111,11 @@ def plan_layout(
     graph = GraphIndex(model, float_tensors)
     # A weight read by several nodes (a tied embedding) is stored once: its readers' settings
     # are made to agree, and each leader is planned before the nodes that follow it.
-    tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path))
+    tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path, float_tensors))
     settings = tied.settings
     layout = Layout()
     wanted: list[tuple[str, str]] = []  # (tensor, pair type) to quantize, in discovery order
+    dynamic: dict[str, None] = {}  # tensors quantized at run time, in discovery order
     quantized_nodes: set[str] = set()
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
@@ -149,7 +154,7 @@ def plan_layout(
                 precision,
                 chosen.source,
                 chosen.reason,
-                activation_method=activation_method if pairs is not None else None,
+                activation_method=activation_method if pairs in ("int8", "fp8") else None,
                 weight=None
                 if weight is None
                 else weight_plans.setdefault(
@@ -164,8 +169,11 @@ def plan_layout(
                 layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
         if pairs is None:
             continue
+        if pairs == "dynamic":  # no pair, no range: a DynamicQuantizeLinear at run time
+            dynamic.update((n, None) for n in node.input if graph.is_float_activation(n))
+            continue
         wanted.extend((name, pairs) for name in node.input if graph.is_float_activation(name))
-        if rule.output_quantized:
+        if entry.quantizes_output(rule):
             out = node.output[0]
             clamp = _single_clamp_consumer(out, graph)
             target = clamp.output[0] if clamp is not None else out
@@ -180,6 +188,7 @@ def plan_layout(
         producer = graph.producer.get(tensor)
         if (
             producer is not None
+            and tensor not in dynamic  # a dynamic reader needs the clamp's output itself
             and _folds(producer, graph)
             and not spec.symmetric_activations
             and _clamp_foldable(producer, graph, quantized_nodes)
@@ -188,6 +197,7 @@ def plan_layout(
             layout.folded_clamps[producer.name] = tensor
         layout.activations[key] = ActivationSlot(tensor, source, _stats_root(tensor, graph), dtype)
 
+    layout.dynamic = list(dynamic)
     layout.typed_tensors = _typed_tensors(layout.plan, graph, spec)
     _annotate_float_nodes(layout, graph, spec.target)
     _note_float_readers(layout, graph, tied.leaders)
@@ -237,7 +247,7 @@ def _weight_plan(
         method = "mse"
         notes.append("gptq is for MatMul/Gemm weights; this one uses mse")
     pairs = _pair_type(chosen, rule)
-    activations_int8 = pairs == "int8"
+    activations_int8 = pairs in ("int8", "dynamic")  # an integer kernel multiplies the weight
     if chosen.precision == "fp8":
         fmt, symmetric = "e4m3", True
         where = "per output channel" if slot.axis is not None else "per tensor"
@@ -252,7 +262,7 @@ def _weight_plan(
             if slot.block_size is not None
             else granularity
         )
-        role = "weight-only" if not activations_int8 else "with int8 activations"
+        role = "weight-only" if not activations_int8 else f"with {pairs} int8 activations"
         reason = f"int{settings.bits} {'symmetric' if symmetric else 'asymmetric'}, {where}, {role}"
     if notes:
         reason += " (" + "; ".join(notes) + ")"
@@ -292,6 +302,9 @@ def _quantize_node(
     data_inputs = [name for name in node.input if name]
     if rule.weights is not None:
         entry = _entry(rule, spec, chosen.precision, _pair_type(chosen, rule))
+        declined = entry.declines(node, graph) if entry.declines is not None else None
+        if declined is not None:
+            return "unsupported", declined
         slots = rule.weights.slots(node, graph, spec, chosen, entry)
         if isinstance(slots, str):
             return "unsupported", slots
@@ -303,6 +316,8 @@ def _quantize_node(
         has_weight = graph.weight_of(node, layout.weights) is not None
         if not has_weight and chosen.activations == "float":
             return chosen.source, f"{chosen.reason}: activations float and no constant weight"
+        if not has_weight and chosen.activations == "dynamic":
+            return chosen.source, f"{chosen.reason}: {_DYNAMIC_NEEDS_WEIGHT}"
         return rule
     if chosen.activations == "float":
         return chosen.source, f"{chosen.reason}: activations float and no weight to store"
@@ -312,18 +327,33 @@ def _quantize_node(
 
 
 _UNLISTED = "op type not quantized"
+# ORT's dynamic kernels quantize input A at run time against a constant int8 B; ORT's own
+# quantize_dynamic leaves the activation-by-activation MatMuls of attention float too.
+_DYNAMIC_NEEDS_WEIGHT = (
+    "activations dynamic and no constant weight: ORT's dynamic kernels (DynamicQuantizeMatMul, "
+    "MatMulIntegerToFloat) quantize the input at run time against a constant int8 weight, so "
+    "it stays float (as ORT's quantize_dynamic leaves it)"
+)
 
 
 def _no_form(rule: OpRule, spec: QuantizationSpec, chosen: NodeSettings) -> str | None:
-    """Why the rule has no form at the node's fp8 precision on the target (an op with no FP8
-    entry: its activations alone have no FP8 kernel to feed), or None. Other precisions every
-    quantizable rule has, or the registry's lookup names what is missing."""
-    if chosen.precision != "fp8" or (spec.target, _key("fp8", "fp8")) in rule.entries:
+    """Why the rule has no form at the node's fp8 or dynamic precision on the target (an op
+    with no FP8 entry: its activations alone have no FP8 kernel to feed; no dynamic entry:
+    ORT has dynamic kernels for MatMul/Gemm only), or None. Other precisions every quantizable
+    rule has, or the registry's lookup names what is missing."""
+    dynamic = chosen.activations == "dynamic" and rule.activation_inputs
+    if chosen.precision == "fp8":
+        key, what = _key("fp8", "fp8"), "fp8"
+    elif dynamic:
+        key, what = _key("int8", "dynamic"), "dynamic int8"
+    else:
+        return None
+    if (spec.target, key) in rule.entries:
         return None
     have = ", ".join(rule.precisions(spec.target))
     return (
-        f"{rule.op_type} has no fp8 form for target {spec.target} (it has {have}): it stays "
-        f"in the float type"
+        f"{rule.op_type} has no {what} form for target {spec.target} (it has {have}): it "
+        f"stays in the float type"
     )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import onnx
 
 from qtool.errors import RecipeError
+from qtool.plan.attention import attention_roles, float_tensors_of
 from qtool.plan.plan import FLOAT_TYPES as FLOAT_PRECISIONS
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
 
@@ -79,7 +80,11 @@ def _no_match_error(
 
 
 def _check_patterns(
-    recipe_path: str, spec: QuantizationSpec, nodes: Sequence[onnx.NodeProto], weighted: set[str]
+    recipe_path: str,
+    spec: QuantizationSpec,
+    nodes: Sequence[onnx.NodeProto],
+    roles: dict[str, set[str]],
+    weighted: set[str],
 ) -> None:
     names = [node.name for node in nodes]
     op_types = {node.op_type for node in nodes}
@@ -98,10 +103,17 @@ def _check_patterns(
                     f"{recipe_path}: {override.where}.op_types[{index}]: the model has no "
                     f"{op_type} node (it has {', '.join(sorted(op_types))})"
                 )
-        if not any(_selects(override, node, weighted) for node in nodes):
+        found = set().union(*roles.values()) if roles else set()
+        for index, role in enumerate(override.roles):
+            if role not in found:
+                raise RecipeError(
+                    f"{recipe_path}: {override.where}.roles[{index}]: no node of the model "
+                    f"plays {role!r} (found: {', '.join(sorted(found)) or 'no attention block'})"
+                )
+        if not any(_selects(override, node, roles, weighted) for node in nodes):
             raise RecipeError(
-                f"{recipe_path}: {override.where}: no node matches all of its nodes, op_types "
-                "and constant_weight"
+                f"{recipe_path}: {override.where}: no node matches all of its nodes, op_types, "
+                "roles and constant_weight"
             )
 
 
@@ -119,8 +131,12 @@ def weighted_nodes(model: onnx.ModelProto) -> set[str]:
     }
 
 
-def _selects(override: Override, node: onnx.NodeProto, weighted: set[str]) -> bool:
+def _selects(
+    override: Override, node: onnx.NodeProto, roles: dict[str, set[str]], weighted: set[str]
+) -> bool:
     if override.op_types and node.op_type not in override.op_types:
+        return False
+    if override.roles and not roles.get(node.name, set()) & set(override.roles):
         return False
     if override.constant_weight is not None and (node.name in weighted) != override.constant_weight:
         return False
@@ -128,7 +144,7 @@ def _selects(override: Override, node: onnx.NodeProto, weighted: set[str]) -> bo
 
 
 def _describe(override: Override) -> str:
-    parts = []
+    parts = [f"roles {', '.join(override.roles)}"] if override.roles else []
     if override.precision is not None:
         parts.append(f"precision {override.precision}")
     fields = [
@@ -144,19 +160,28 @@ def _describe(override: Override) -> str:
 
 
 def resolve_node_settings(
-    model: onnx.ModelProto, spec: QuantizationSpec, recipe_path: str = "recipe"
+    model: onnx.ModelProto,
+    spec: QuantizationSpec,
+    recipe_path: str = "recipe",
+    float_tensors: set[str] | None = None,
 ) -> dict[str, NodeSettings]:
     """Node name -> its settings: defaults, then `exclude`, then every override in order.
 
     A node that is not quantized gets the float type's precision (`quantization.float_type`:
-    float for FP32, fp16, bf16) unless an override names its float precision itself."""
+    float for FP32, fp16, bf16) unless an override names its float precision itself.
+    `float_tensors`: the model's float tensors, for overrides that select attention roles
+    (None: read from the model's declared types)."""
     nodes = list(model.graph.node)
+    roles: dict[str, set[str]] = {}
+    if any(o.roles for o in spec.overrides):
+        floats = float_tensors if float_tensors is not None else float_tensors_of(model)
+        roles = attention_roles(model, floats)
     weighted = (
         weighted_nodes(model)
         if any(o.constant_weight is not None for o in spec.overrides)
         else set()
     )
-    _check_patterns(recipe_path, spec, nodes, weighted)
+    _check_patterns(recipe_path, spec, nodes, roles, weighted)
     listed = set(spec.op_types)
     settings: dict[str, NodeSettings] = {}
     for node in nodes:
@@ -177,7 +202,7 @@ def resolve_node_settings(
             reason = f"excluded by quantization.exclude pattern '{excluded_by}'"
         applied = []
         for override in spec.overrides:
-            if not _selects(override, node, weighted):
+            if not _selects(override, node, roles, weighted):
                 continue
             applied.append(_describe(override))
             weights = weights.layered(override.weights)
@@ -204,5 +229,11 @@ def resolve_node_settings(
             activations = precision
         elif activations is None:
             activations = "float" if precision == "int4" else "int8"
+        elif activations == "dynamic" and precision == "int4":
+            # dynamic int8 multiplies 8-bit weights (MatMulInteger); a node given 4-bit
+            # weights at another level (an override, the search's int4 candidate) is
+            # weight-only, as 4-bit nodes are by default (the recipe refuses both at one level)
+            activations = "float"
+            reason += "; 4-bit weights: weight-only (dynamic activations need 8-bit weights)"
         settings[node.name] = NodeSettings(precision, resolved, activations, source, reason)
     return settings

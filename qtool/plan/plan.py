@@ -18,16 +18,18 @@ from dataclasses import asdict, dataclass, field
 QUANTIZED = ("int4", "int8", "fp8")
 FLOAT_TYPES = ("fp16", "bf16", "float")
 PRECISIONS = QUANTIZED + FLOAT_TYPES
-# What a node's activations are: int8 or fp8 Q/DQ pairs, or none (float: weight-only nodes and
-# float nodes; fp16/bf16 for nodes typed so).
-ACTIVATIONS = ("int8", "fp8", "fp16", "bf16", "float")
+# What a node's activations are: int8 or fp8 Q/DQ pairs, dynamic (quantized at run time by a
+# DynamicQuantizeLinear, no calibrated range), or none (float: weight-only nodes and float
+# nodes; fp16/bf16 for nodes typed so).
+ACTIVATIONS = ("int8", "dynamic", "fp8", "fp16", "bf16", "float")
 
 # Why a node has its precision; the report groups by these.
 SOURCES = (
     "default",  # the recipe's op_types select it and nothing stops it
     "excluded",  # quantization.exclude names it
     "override",  # a quantization.overrides entry set it
-    "unsupported",  # qtool cannot quantize it (op type, constant inputs, attributes)
+    "unsupported",  # qtool cannot quantize it (op type, constant inputs, attributes), or the
+    # target's runtime has no kernel worth the form for its shapes (TensorRT's FP8 rules)
     "not-listed",  # a quantizable op type the recipe did not list
     "folded",  # a Relu/Clip folded into the preceding QuantizeLinear
     "passthrough",  # shape/max op that runs on the quantized data of its neighbours
@@ -79,7 +81,8 @@ class NodePlan:
     reason: str
     activation_method: str | None = None
     weight: WeightPlan | None = None
-    # "int8": the node's float inputs get Q/DQ pairs; "float": weight-only (the weight is stored
+    # "int8": the node's float inputs get Q/DQ pairs; "dynamic": its input is quantized at run
+    # time (DynamicQuantizeLinear -> MatMulInteger); "float": weight-only (the weight is stored
     # quantized, the activations stay float).
     activations: str = "int8"
     # What ONNX Runtime does with the node, recorded by the verify stage (fusion.NodeRuntime).

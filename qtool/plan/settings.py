@@ -28,8 +28,13 @@ PRECISIONS = ("int4", "int8", "fp8", "fp16", "bf16", "float")
 # quantization.precision: what the nodes op_types selects become (None: by weights.bits).
 QUANTIZED_PRECISIONS = ("int4", "int8", "fp8")
 
-# quantization.activations: int8 Q/DQ pairs, or weight-only (fp8 nodes have fp8 activations).
-ACTIVATION_PRECISIONS = ("int8", "float")
+# quantization.activations: int8 Q/DQ pairs (static, calibrated ranges), dynamic (int8 weights,
+# the input quantized at run time, ort-cpu MatMul/Gemm), or weight-only (fp8 nodes have fp8
+# activations).
+ACTIVATION_PRECISIONS = ("int8", "dynamic", "float")
+
+# The targets that run dynamic int8 (DynamicQuantizeLinear + MatMulInteger): ONNX Runtime's.
+DYNAMIC_TARGETS = ("ort-cpu",)
 
 # quantization.float_type: the type every node that is not quantized computes in, and the
 # node precision that stands for it.
@@ -96,7 +101,8 @@ class WeightSettings:
 
 @dataclass(frozen=True)
 class Override:
-    """One `quantization.overrides` entry: which nodes (name globs and/or op types), and what.
+    """One `quantization.overrides` entry: which nodes (name globs, op types and/or attention
+    roles read from the graph, qtool/plan/attention.py), and what.
 
     Entries apply in order after the defaults, each setting only the fields it names; `where`
     is the entry's key path, for errors (a pattern that matches no node names it).
@@ -105,6 +111,7 @@ class Override:
     where: str
     nodes: tuple[str, ...] = ()
     op_types: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()
     precision: str | None = None
     weights: WeightSettings = field(default_factory=WeightSettings)
     activations: str | None = None

@@ -26,6 +26,7 @@ INT4_FUSED_OPS = ("MatMul", "Gemm")
 # float8 Q/DQ exist from opset 19 on.
 FP8_OPSET = 19
 TENSORRT_DEFAULT = ("fp8", "int8", "fp16", "float")
+ORT_CPU_DEFAULT = ("int4", "int8", "float")
 
 
 def model_candidates(
@@ -60,7 +61,7 @@ def model_candidates(
             f"opset {TARGET_OPSET} (set model.opset: {TARGET_OPSET} to let the search use int4)"
         )
         return ("int8", "float")
-    return ORDER
+    return ORT_CPU_DEFAULT
 
 
 def node_candidates(

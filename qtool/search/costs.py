@@ -12,7 +12,10 @@ This module splits a model's bytes exactly that way, so the parts add up to the 
   DequantizeLinear nodes (and their int8 / int4 / int32 initializers) that feed only it, any
   node the writer inserted after it (the Add of a split Gemm bias), the value_info of the
   tensors it produces, and a Relu / Clip folded into its output (present in the float model,
-  gone from the quantized one);
+  gone from the quantized one), and a Cast the typing pass put beside it at a float-type
+  boundary;
+- a node planned dynamic int8 owns the DynamicQuantizeLinear of its input (shared by the
+  nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger;
 - an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
   DequantizeLinear, their scale and zero point, and the bytes by which unplanned nodes grow when
   they read the slot's longer `..._dequantized` name;
@@ -111,12 +114,16 @@ def attribute(
         if node.name in float_nodes:
             owners[i] = [float_owner(node.name)]
         elif node.op_type == "QuantizeLinear" and node.input[0] not in initializers:
-            if node.input[0] not in sources:
+            read = node.input[0]
+            cast = nodes[producer[read]] if read in producer else None
+            if read not in sources and cast is not None and cast.op_type == "Cast":
+                read = cast.input[0]  # a graph input the typing pass cast to FP16 first
+            if read not in sources:
                 raise RuntimeError(
                     f"size model: QuantizeLinear {node.name!r} reads {node.input[0]!r}, which is "
                     "the source of no activation slot of the layout"
                 )
-            owners[i] = [("slot", sources[node.input[0]])]
+            owners[i] = [("slot", sources[read])]
 
     def owner_of(i: int, seen: frozenset[int] = frozenset()) -> list[Owner]:
         if i in owners:
@@ -130,6 +137,12 @@ def attribute(
             if source.op_type == "QuantizeLinear":  # the pair's second half
                 owners[i] = owner_of(producer[data[0]], seen | {i})
                 return owners[i]
+        if node.op_type == "DynamicQuantizeLinear":  # dynamic int8: the nodes that read it
+            readers = {nodes[r].name for out in node.output for r in consumers.get(out, [])}
+            found = [float_owner(name) for name in sorted(readers) if name in float_nodes]
+            if found:
+                owners[i] = list(dict.fromkeys(found))
+                return owners[i]
         if not data:  # a weight's DequantizeLinear: it belongs to what reads its output
             found: list[Owner] = []
             for out in node.output:
@@ -139,6 +152,26 @@ def attribute(
                 raise RuntimeError(f"size model: nothing reads the output of {node.name!r}")
             owners[i] = found
             return found
+        upstream_op = nodes[producer[data[0]]].op_type if data and data[0] in producer else ""
+        if node.op_type == "Cast" and upstream_op == "MatMulInteger":
+            # dynamic int8's Cast of the integer product: the planned node's, written under
+            # its name (write/dynamic.py)
+            owners[i] = owner_of(producer[data[0]], seen | {i})
+            return owners[i]
+        if node.op_type == "Cast":
+            # The typing pass's Cast at a float-type boundary (beside a node kept FP32, or
+            # pinned FP32 next to FP16 ones): it serves the planned nodes on either side of it,
+            # readers first; between unplanned nodes it is the rest's.
+            found = []
+            for out in node.output:
+                for reader in consumers.get(out, []):
+                    found.extend(
+                        o for o in owner_of(reader, seen | {i}) if o[0] == "node" and o not in found
+                    )
+            if not found and data[0] in producer:
+                found = [o for o in owner_of(producer[data[0]], seen | {i}) if o[0] == "node"]
+            owners[i] = found or [REST]
+            return owners[i]
         # Inserted after a node (the Add of a split Gemm bias): its first data input's producer.
         if data[0] in producer:
             upstream = owner_of(producer[data[0]], seen | {i})

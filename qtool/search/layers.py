@@ -88,7 +88,13 @@ def layer_sqnr(
             is_float = types.get(name, (None,))[0] == onnx.TensorProto.FLOAT
             if not name or name in initializers or not is_float:
                 continue
-            if quant_node is not None and index < len(quant_node.input):
+            if node_plan.activations == "dynamic":
+                # its input is quantized inside the node at run time (DynamicQuantizeLinear ->
+                # integers): the float tensor it reads is the one to compare, and the
+                # quantization error shows in its output
+                input_key = f"in:{node.name}"
+                pairs[input_key] = (name, name)
+            elif quant_node is not None and index < len(quant_node.input):
                 input_key = f"in:{node.name}"
                 pairs[input_key] = (name, quant_node.input[index])
             break

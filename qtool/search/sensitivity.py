@@ -111,7 +111,7 @@ def _candidates(
             f"opset {TARGET_OPSET} (set model.opset: {TARGET_OPSET} to analyse int4)"
         )
         return ("int8",)
-    return CANDIDATES
+    return ("int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)

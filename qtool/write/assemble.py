@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from qtool.calibration.fp8_range import compute_fp8_range
 from qtool.calibration.hessians import HessianAccumulator
@@ -18,6 +17,7 @@ from qtool.calibration.observers import TensorStats
 from qtool.calibration.ranges import compute_range
 from qtool.calibration.spec import CalibrationSpec
 from qtool.errors import CalibrationError
+from qtool.model.external_data import tensor_array
 from qtool.ort.cpu import CpuFeatures
 from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
@@ -56,12 +56,13 @@ def activation_parameters(
 
 def integer_kernel_weights(layout: Layout) -> set[str]:
     """Weights an integer kernel multiplies with uint8 activations: int8 per channel / tensor
-    on a node whose activations are quantized. Only these can saturate 16-bit pair sums."""
+    on a node whose activations are quantized (static pairs or at run time). Only these can
+    saturate 16-bit pair sums."""
     return {
         node.weight.tensor
         for node in layout.plan
         if node.weight is not None
-        and node.activations == "int8"
+        and node.activations in ("int8", "dynamic")
         and node.weight.bits == 8
         and node.weight.block_size is None
     }
@@ -86,10 +87,12 @@ def weight_parameters(
     options = options if options is not None else LowBitOptions()
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
-        array = numpy_helper.to_array(initializers[name])
+        array = tensor_array(initializers[name])
         if plans[name].format == "e4m3":
             weights[name] = quantize_fp8_weight(array, slot.axis)
         elif name in integer:
+            if slot.transposed:  # a dynamic Gemm's transB weight, stored [K, N] for MatMulInteger
+                array = np.ascontiguousarray(array.T)
             weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
         else:
             hessian = hessians.get(layout.weight_inputs.get(name, ""))
@@ -107,7 +110,7 @@ def bias_parameters(
     biases = {}
     for name, slot in layout.biases.items():  # int32 biases read int8 pairs (registry entries)
         values, scale = quantize_bias(
-            numpy_helper.to_array(initializers[name]),
+            tensor_array(initializers[name]),
             activations[slot.activation].scale,
             np.asarray(weights[slot.weight].scale),
         )

@@ -17,6 +17,7 @@ from onnx import helper, numpy_helper
 from qtool.errors import ModelError
 from qtool.model import external_data
 from qtool.plan.layout import Layout
+from qtool.write.dynamic import dynamic_matmul_nodes, dynamic_quantize_node
 from qtool.write.int4 import (
     MS_DOMAIN,
     BlockwiseWeight,
@@ -117,6 +118,8 @@ def write_qdq_model(
             rename[name] = f"{name}_dequantized"
             head_nodes.append(dequantize_node(name, bw, rename[name]))
 
+    dynamic_nodes = _dynamic_nodes(layout)
+    dynamic_only = _read_only_by(graph, dynamic_nodes, set(weights))
     constants = [
         (name, w.values, w.scale, w.zero_point_array(), w.axis)
         for name, w in sorted(weights.items())
@@ -131,6 +134,8 @@ def write_qdq_model(
         new_initializers.append(numpy_helper.from_array(values, quant))
         new_initializers.append(numpy_helper.from_array(scale_values.astype(np.float32), scale))
         new_initializers.append(numpy_helper.from_array(zero_values, zero))
+        if name in dynamic_only:  # MatMulInteger reads the integers and the scale directly
+            continue
         rename[name] = f"{name}_dequantized"
         head_nodes.append(
             _dequantize_node(f"{name}_DequantizeLinear", [quant, scale, zero], rename[name], axis)
@@ -161,6 +166,8 @@ def write_qdq_model(
         ]
         pairs_after.setdefault(slot.source, []).extend(nodes)
         pairs[(slot.tensor, slot.dtype)] = dequantized
+    for tensor in sorted(layout.dynamic):  # quantized at run time: no scale to store
+        pairs_after.setdefault(tensor, []).append(dynamic_quantize_node(tensor))
 
     folded = set(layout.folded_clamps)
     body: list[onnx.NodeProto] = []
@@ -189,6 +196,8 @@ def write_qdq_model(
             )
             fused.name = node.name  # the Plan's name, so the runtime truth finds it
             body.append(fused)
+        elif node.name in dynamic_nodes:  # the registry's int8/dynamic form
+            body.extend(dynamic_matmul_nodes(node, dynamic_nodes[node.name]))
         else:
             reads = {**rename, **_pair_reads(node, layout, pairs)}
             body.extend(_rewritten(node, reads, transposed, nbits, low_bit, dims, nbits_level))
@@ -222,6 +231,26 @@ def write_qdq_model(
     if check:
         external_data.check_model(quantized_model)  # over 2 GB: checked without serializing it
     return quantized_model
+
+
+def _dynamic_nodes(layout: Layout) -> dict[str, str]:
+    """Planned node -> its weight, for the nodes whose input is quantized at run time."""
+    return {
+        node.name: node.weight.tensor
+        for node in layout.plan
+        if node.quantized and node.activations == "dynamic" and node.weight is not None
+    }
+
+
+def _read_only_by(graph: onnx.GraphProto, readers: dict[str, str], weights: set[str]) -> set[str]:
+    """The weights no node other than `readers` (as their weight) reads: they need no
+    DequantizeLinear. A weight also read by a static or float node keeps it for that node."""
+    wanted = {weight for weight in readers.values() if weight in weights}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in wanted and not (node.name in readers and index == 1):
+                wanted.discard(name)
+    return wanted
 
 
 def _pair_reads(

@@ -24,6 +24,7 @@ from qtool.plan.ops.registry import (
     OrtFusion,
     Weights,
 )
+from qtool.plan.ops.tensorrt_fp8 import conv_declines_fp8
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import BiasSlot, WeightSlot
 
@@ -122,9 +123,10 @@ CONV = OpRule(
             not_fused=_NO_4BIT_QLINEAR,
         ),
         **fp8_entry(
-            "DQ(fp8 e4m3) -> Conv -> Q(fp8 e4m3); weight fp8 per output channel, bias in the "
+            "DQ(fp8 e4m3) -> Conv; weight fp8 per output channel, bias and output in the "
             "float type",
             ("Conv",),
+            conv_declines_fp8,
         ),
         **float_type_entries("Conv", "weight and bias"),
     },

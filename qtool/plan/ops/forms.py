@@ -9,6 +9,11 @@ in that type (write/float_type.py); the weighted ops also take FP8 E4M3 Q/DQ for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import onnx
+
+from qtool.plan.graph import GraphIndex
 from qtool.plan.ops.registry import BF16, FP8, FP16, INT8, Entry
 
 # ORT's CPU QLinear kernels want one integer type on every input and the output; on a TensorRT
@@ -68,8 +73,17 @@ def float_type_entries(op_type: str, constants: str = "") -> dict[tuple[str, str
     return entries
 
 
-def fp8_entry(written: str, op_types: tuple[str, ...]) -> dict[tuple[str, str], Entry]:
+def fp8_entry(
+    written: str,
+    op_types: tuple[str, ...],
+    declines: Callable[[onnx.NodeProto, GraphIndex], str | None] | None = None,
+) -> dict[tuple[str, str], Entry]:
     """The TensorRT FP8 E4M3 entry of a weighted op: per-tensor FP8 activations (amax or a
     histogram threshold / 448), per-output-channel FP8 weights, the bias left in the float
-    type (TensorRT's DequantizeLinear takes no int32)."""
-    return {("tensorrt", FP8): Entry(written, op_types, runs_as=_FP8_ON_ORT)}
+    type (TensorRT's DequantizeLinear takes no int32). The output is not quantized (TensorRT's
+    Q/DQ placement recommendations: quantize the inputs of weighted ops, not their outputs; a
+    Q/DQ pair on a tensor only FP16 ops read would add E4M3's rounding for no FP8 kernel).
+    `declines`: the nodes whose shapes TensorRT's FP8 kernels gain nothing on
+    (tensorrt_fp8.py)."""
+    entry = Entry(written, op_types, runs_as=_FP8_ON_ORT, declines=declines, output_quantized=False)
+    return {("tensorrt", FP8): entry}

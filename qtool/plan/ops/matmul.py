@@ -20,6 +20,7 @@ from qtool.plan.ops.registry import (
     INT4_INT8,
     INT4_WEIGHT_ONLY,
     INT8,
+    INT8_DYNAMIC,
     INT8_WEIGHT_ONLY,
     Entry,
     NodeSlots,
@@ -27,11 +28,15 @@ from qtool.plan.ops.registry import (
     OrtFusion,
     Weights,
 )
+from qtool.plan.ops.tensorrt_fp8 import gemm_declines_fp8
 from qtool.plan.plan import WeightPlan
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import BiasSlot, WeightSlot
 
 _NO_BLOCKS = "blocks need a 2-D weight"
+_DYNAMIC_NO_BLOCKS = (
+    "dynamic int8 weights are per channel or per tensor (MatMulInteger has no blocks)"
+)
 
 
 def matmul_slots(
@@ -55,6 +60,8 @@ def matmul_slots(
         return NodeSlots(transposed_read_slot(tied, settings.granularity, settings.block_size))
     if graph.is_float_constant(b):
         dims = graph.initializers[b].dims
+        if settings.granularity == "block" and chosen.activations == "dynamic":
+            return _DYNAMIC_NO_BLOCKS
         if settings.granularity == "block":
             return NodeSlots(WeightSlot(b, len(dims) - 2, "k-rows", block_size=settings.block_size))
         axis = None if settings.granularity == "per-tensor" or len(dims) != 2 else 1
@@ -96,6 +103,8 @@ def gemm_slots(
         return "Gemm with transA=1 is not supported"
     settings = chosen.weights
     trans_b = bool(int_attribute(node, "transB", 0))
+    if chosen.activations == "dynamic":
+        return _dynamic_gemm_slot(node, w, trans_b, settings.granularity)
     axis: int | None = 0 if trans_b else 1
     reduction = "k-cols" if trans_b else "k-rows"
     channels = list(graph.initializers[w].dims)[axis]
@@ -116,6 +125,19 @@ def gemm_slots(
     slot = WeightSlot(w, axis, reduction, 1, block_size, transposed)
     integer_bias = entry.int32_bias and block_size is None
     return NodeSlots(slot, BiasSlot(bias, x, w) if bias_ok and integer_bias else None)
+
+
+def _dynamic_gemm_slot(
+    node: onnx.NodeProto, weight: str, trans_b: bool, granularity: str | None
+) -> NodeSlots | str:
+    """A dynamic Gemm is written as MatMulInteger (+ an Add of the float bias), which takes B
+    as [K, N]: a transB weight is stored transposed. MatMulInteger has no alpha or beta."""
+    if float_attribute(node, "alpha") != 1.0 or float_attribute(node, "beta") != 1.0:
+        return "dynamic int8 writes Gemm as MatMulInteger + Add, which needs alpha = beta = 1"
+    if granularity == "block":
+        return _DYNAMIC_NO_BLOCKS
+    axis = None if granularity == "per-tensor" else 1
+    return NodeSlots(WeightSlot(weight, axis, "k-rows", 1, None, trans_b))
 
 
 def not_nbits(weight: WeightPlan | None) -> str:
@@ -158,6 +180,32 @@ _NO_4BIT_QLINEAR = (
 )
 
 
+# ORT's own dynamic form (what onnxruntime.quantization.quantize_dynamic writes) and what its
+# CPU provider makes of it, measured on ORT 1.31: DynamicQuantizeLinear + MatMulInteger + Cast
+# + Mul (+ the bias Add after it) become one DynamicQuantizeMatMul; where one
+# DynamicQuantizeLinear feeds several nodes (the Q, K and V projections of one input), each
+# becomes MatMulIntegerToFloat behind the shared DynamicQuantizeLinear. Unfused
+# (ORT_DISABLE_ALL) the same nodes run as written: MatMulInteger on uint8 x int8.
+_DYNAMIC_WHEN = (
+    "DynamicQuantizeMatMul where the DynamicQuantizeLinear feeds this node alone, "
+    "MatMulIntegerToFloat where several nodes share it; the bias Add after it is absorbed"
+)
+
+
+def _dynamic_entry(op: str) -> Entry:
+    """int8 weights, the input quantized at run time (ort-cpu only: TensorRT has no form)."""
+    bias = " -> Add(float bias)" if op == "Gemm" else ""
+    stored = " (a transB weight stored [K, N])" if op == "Gemm" else ""
+    return Entry(
+        f"DynamicQuantizeLinear(uint8, range at run time) -> MatMulInteger replacing the {op}, "
+        f"weight int8 per output channel{stored} -> Cast -> Mul(input scale x weight scale)"
+        f"{bias}",
+        ("MatMulInteger",),
+        ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"),
+        when=_DYNAMIC_WHEN,
+    )
+
+
 def _entries(
     op: str, int8_kernels: tuple[str, ...], int8_when: str, bias: bool
 ) -> dict[tuple[str, str], Entry]:
@@ -189,6 +237,7 @@ def _entries(
             when="where ORT rewrites the int8 Q/DQ pair of the input to uint8 (its "
             "QuantizeLinear feeds one DequantizeLinear), or on ARM",
         ),
+        ("ort-cpu", INT8_DYNAMIC): _dynamic_entry(op),
         ("ort-cpu", INT8_WEIGHT_ONLY): weight_only_8,
         ("tensorrt", INT8_WEIGHT_ONLY): weight_only_8,
         ("ort-cpu", INT4_WEIGHT_ONLY): Entry(
@@ -224,6 +273,7 @@ def _entries(
             f"DQ(fp8 e4m3) -> {op}; weight fp8 per output channel; output not quantized"
             + ("; bias in the float type" if bias else ""),
             (op,),
+            gemm_declines_fp8,
         ),
         **float_type_entries(op, "weight and bias" if bias else "weight"),
     }

@@ -33,8 +33,10 @@ from qtool.plan.slots import BiasSlot, WeightSlot
 # Precision keys: a planned node's NodePlan.precision and NodePlan.activations, "weights/acts".
 # An op without weights is planned "int8" (or "fp8": its activations are). A node typed fp16 or
 # bf16 has no Q/DQ: its entry says what it is written as and what the runtime makes of it.
-# Dynamic int8 comes next: a key here and entries in the rules that support it.
+# "int8/dynamic": int8 weights, activations quantized at run time (DynamicQuantizeLinear: the
+# range of each tensor as it comes, no calibration), ONNX Runtime's quantize_dynamic form.
 INT8 = "int8/int8"
+INT8_DYNAMIC = "int8/dynamic"
 INT8_WEIGHT_ONLY = "int8/float"
 INT4_WEIGHT_ONLY = "int4/float"
 INT4_INT8 = "int4/int8"
@@ -43,6 +45,7 @@ FP16 = "fp16/fp16"
 BF16 = "bf16/bf16"
 PRECISIONS: dict[str, str] = {
     INT8: "int8 weights and int8 activations (static ranges)",
+    INT8_DYNAMIC: "int8 weights, uint8 activations quantized at run time (dynamic ranges)",
     INT8_WEIGHT_ONLY: "int8 weights, float activations (weight-only)",
     INT4_WEIGHT_ONLY: "4-bit weights, float activations (weight-only)",
     INT4_INT8: "4-bit weights, int8 activations",
@@ -174,6 +177,12 @@ class Entry:
     FP16, FP8 Q/DQ); empty: "float". `int32_bias`: the form stores the bias as int32 behind a
     DequantizeLinear (ORT's QLinearConv/QGemm add it in the accumulator; TensorRT's
     DequantizeLinear takes no int32, so its forms leave the bias in the float type).
+    `declines`: (node, graph) -> why the target's runtime has no kernel worth this form for
+    the node's shapes, so it stays in the float type (TensorRT's FP8 kernels on small Convs
+    and GEMMs, tensorrt_fp8.py), or None; no function: every node takes the form.
+    `output_quantized`: None: the rule's `output_quantized` (ORT's fused form); False: this
+    form quantizes the inputs only (TensorRT's FP8 placement: Q/DQ on the inputs of weighted
+    ops, the output left in the float type for whatever reads it).
     """
 
     written: str
@@ -187,6 +196,13 @@ class Entry:
     block_sizes: tuple[int, ...] | None = None
     unsigned_blocks: str | None = None
     signed_scales: bool = False
+    declines: Callable[[onnx.NodeProto, GraphIndex], str | None] | None = None
+    output_quantized: bool | None = None
+
+    def quantizes_output(self, rule: OpRule) -> bool:
+        """Whether the layout quantizes the node's output in this form: the entry's word where
+        it has one, else the rule's (ORT's fused form)."""
+        return rule.output_quantized if self.output_quantized is None else self.output_quantized
 
     def not_fused_reason(self, weight: WeightPlan | None) -> str:
         if self.not_fused is None:

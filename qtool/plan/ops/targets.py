@@ -81,7 +81,15 @@ ORT_CPU = Target(
     ),
     # No FP8 or BF16: ORT's CPU provider has no BF16 kernels for most ops, and its QDQ fusion
     # cannot load float8 Q/DQ around a MatMul (it builds MatMulIntegerToFloat on float8).
-    precisions=("int8/int8", "int8/float", "int4/float", "int4/int8", "fp16/fp16"),
+    # Dynamic int8 (DynamicQuantizeLinear + MatMulInteger) is ORT's own form; TensorRT has none.
+    precisions=(
+        "int8/int8",
+        "int8/dynamic",
+        "int8/float",
+        "int4/float",
+        "int4/int8",
+        "fp16/fp16",
+    ),
     integer_kernels=ORT_CPU_INTEGER_KERNELS,
 )
 
