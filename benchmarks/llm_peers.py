@@ -130,6 +130,7 @@ class RowContext:
     calibration: Path  # .npz: "windows" int64 [n, length] (calibration set), model's tokenizer
     tuning: Path  # .npz: the tuning set, same layout
     args: argparse.Namespace
+    info: dict = dataclasses.field(default_factory=dict)  # llm_models.model_info of the model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,7 +575,8 @@ def prepare(key: str, work: Path, args: argparse.Namespace, log: Callable[[str],
         folder = args.cache / "models" / key / exporter
         path, meta = folder / "model.onnx", folder / "export.json"
         if meta.is_file() and path.is_file() and not args.reexport:
-            exports[exporter] = json.loads(meta.read_text())
+            # the cached entry's path, wherever the cache was written from (a moved checkout)
+            exports[exporter] = {**json.loads(meta.read_text()), "path": str(path)}
             log(f"{key}: {exporter} export cached at {path}")
             continue
         log(f"{key}: exporting with {exporter} ...")
@@ -672,6 +674,7 @@ def run_model(key: str, args: argparse.Namespace, log: Callable[[str], None]) ->
             work / "calibration.npz",
             work / "tuning.npz",
             args,
+            prepared["info"],
         )
         log(f"{key}: {row.title} ...")
         rows[name] = quantize_row(row, ctx, args.timeout)

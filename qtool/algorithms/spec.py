@@ -17,10 +17,24 @@ BIAS_ABSORPTION_DEFAULT = False
 #   ranges calibration measures;
 # - smoothquant after calibration: it needs that pass's per-channel statistics, then re-plans
 #   the smoothed graph and derives the smoothed inputs' ranges exactly;
+# - awq after smoothquant: both rescale input channels of the float model, awq those of the
+#   weight-only layers (smoothquant only touches layers with int8 activations), each re-planning
+#   the changed graph; both read the one calibration pass.
+# - scale_estimation and gptq when the weights are quantized: they choose each weight's blocks
+#   (scale estimation the grid of every block, GPTQ the rounding, on scale estimation's grids
+#   when both are on) against the layer's calibration Hessian, after AWQ has fixed the weights.
 # - adaround before bias_correction: bias correction measures the mean output shift of the layer
 #   as it will be stored, so it must see the final rounded weights (rounding after it would
 #   leave a correction for weights that no longer exist).
-ALGORITHM_ORDER = ("cross_layer_equalization", "smoothquant", "adaround", "bias_correction")
+ALGORITHM_ORDER = (
+    "cross_layer_equalization",
+    "smoothquant",
+    "awq",
+    "scale_estimation",
+    "gptq",
+    "adaround",
+    "bias_correction",
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,39 @@ SMOOTHQUANT_OBJECTIVES = ("block", "layer")
 
 
 @dataclass(frozen=True)
+class AwqParams:
+    """Activation-aware weight scaling of weight-only layers (qtool/algorithms/awq.py).
+
+    Per layer input X, one scale per input channel s = rms(X)^alpha, alpha searched on `grid`
+    points in [0, 1] by the quantized layers' output error computed exactly from XᵀX (the
+    calibration Hessian); the weights take s, the op producing X takes 1/s."""
+
+    grid: int = 20
+
+
+@dataclass(frozen=True)
+class ScaleEstimationParams:
+    """Each 4-bit block's scale chosen against the layer's output error (the block's part of the
+    calibration Hessian) rather than its own weights (qtool/write/scale_estimation.py): `steps`
+    shrink factors of the min-max range from 1 down to `min_factor`, each followed by `refine`
+    least-squares refits of the scale to the rounded block."""
+
+    steps: int = 10
+    min_factor: float = 0.55
+    refine: int = 2
+
+
+@dataclass(frozen=True)
+class GptqParams:
+    """The parameters of `quantization.weights.method: gptq` (qtool/write/gptq.py): `act_order`
+    rounds the rows in decreasing Hessian diagonal order, `damp` adds damp x mean(diag H) to the
+    Hessian's diagonal."""
+
+    act_order: bool = True
+    damp: float = 0.01
+
+
+@dataclass(frozen=True)
 class AdaRoundParams:
     """`samples`: calibration samples whose layer inputs the rounding is learned on (the first
     N); `iterations`: Adam steps per layer (qtool/algorithms/adaround.py)."""
@@ -70,12 +117,23 @@ class BiasCorrectionParams:
     samples: int = 256
 
 
-AlgorithmParams = CleParams | SmoothQuantParams | AdaRoundParams | BiasCorrectionParams
+AlgorithmParams = (
+    CleParams
+    | SmoothQuantParams
+    | AwqParams
+    | ScaleEstimationParams
+    | GptqParams
+    | AdaRoundParams
+    | BiasCorrectionParams
+)
 
 # Each algorithm's parameter type; its fields and defaults are the recipe's keys and defaults.
 ALGORITHM_PARAMS: dict[str, type] = {
     "cross_layer_equalization": CleParams,
     "smoothquant": SmoothQuantParams,
+    "awq": AwqParams,
+    "scale_estimation": ScaleEstimationParams,
+    "gptq": GptqParams,
     "adaround": AdaRoundParams,
     "bias_correction": BiasCorrectionParams,
 }
@@ -88,6 +146,9 @@ class Algorithms:
 
     cross_layer_equalization: CleParams | None = None
     smoothquant: SmoothQuantParams | None = None
+    awq: AwqParams | None = None
+    scale_estimation: ScaleEstimationParams | None = None
+    gptq: GptqParams | None = None
     adaround: AdaRoundParams | None = None
     bias_correction: BiasCorrectionParams | None = None
 
@@ -107,3 +168,6 @@ def defaults(name: str) -> dict[str, Any]:
 SMOOTHQUANT_ALPHAS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 = no smoothing
 
 MAX_ADAROUND_ITERATIONS = 100000
+
+MAX_AWQ_GRID = 1000
+MAX_SCALE_STEPS = 1000

@@ -35,7 +35,12 @@ from qtool.phases import phase
 from qtool.pipeline import planning
 from qtool.pipeline.build import Built
 from qtool.pipeline.finish import Finished, verify_and_report, verify_feeds
-from qtool.pipeline.float_model import freeze, prepare_in_place, source_sha256
+from qtool.pipeline.float_model import (
+    freeze,
+    prepare_in_place,
+    source_file_bytes,
+    source_sha256,
+)
 from qtool.pipeline.prepare import Prepared
 from qtool.qat import export
 from qtool.qat.fold import fold_batchnorm
@@ -114,9 +119,10 @@ def _prepare(recipe: Recipe, net) -> Prepared:
     check_inputs(loaded, recipe.inputs, str(recipe.model.pytorch))
     fit_ir_version(loaded, str(recipe.model.pytorch))
     min_opset = planning.min_opset(recipe.model.opset, recipe.quantization)
+    size = source_file_bytes(recipe.model, loaded)
     model = prepare_in_place(loaded, min_opset, str(recipe.model.pytorch))
     del loaded
-    frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model))
+    frozen = freeze(model, recipe.float_model_path, source_sha256(recipe.model), size)
     del model
     frozen.materialize()  # training reads every weight (a staged model comes back lazy)
     layout = planning.plan(frozen.model, recipe.quantization, recipe.calibration.method, where)

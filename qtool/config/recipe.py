@@ -22,6 +22,8 @@ from qtool.algorithms.spec import (
     ALGORITHM_ORDER,
     ALGORITHM_PARAMS,
     MAX_ADAROUND_ITERATIONS,
+    MAX_AWQ_GRID,
+    MAX_SCALE_STEPS,
     SMOOTHQUANT_OBJECTIVES,
     AlgorithmParams,
     Algorithms,
@@ -288,6 +290,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     calibration = _read_calibration(reader, top["calibration"], inputs)
     quantization = _read_quantization(reader, top.get("quantization", {}))
     algorithms = _read_algorithms(reader, top.get("quantization", {}).get("algorithms", []))
+    if algorithms.gptq is not None and not _uses_gptq(quantization):
+        raise reader.fail(
+            "quantization.algorithms.gptq",
+            "sets the parameters of weight method gptq, but no weight uses it (set "
+            "quantization.weights.method: gptq, or method gptq in an override)",
+        )
     evaluation = None
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
@@ -325,6 +333,11 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         tuning,
         float_model,
     )
+
+
+def _uses_gptq(quantization: QuantizationSpec) -> bool:
+    settings = [quantization.weights, *(o.weights for o in quantization.overrides)]
+    return any(s.method == "gptq" for s in settings)
 
 
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:
@@ -814,6 +827,22 @@ def _read_algorithms(reader: _Reader, raw: Any) -> Algorithms:
                 params[key] = reader.choice(value, f"{where}.{name}.{key}", SMOOTHQUANT_OBJECTIVES)
             elif name == "cross_layer_equalization" and key in ("bias_absorption", "through_clip"):
                 params[key] = reader.boolean(value, f"{where}.{name}.{key}")
+            elif (name, key) == ("gptq", "act_order"):
+                params[key] = reader.boolean(value, f"{where}.{name}.{key}")
+            elif (name, key) == ("gptq", "damp"):
+                params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.0, 1.0)
+            elif (name, key) == ("scale_estimation", "min_factor"):
+                params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.05, 1.0)
+            elif (name, key) == ("scale_estimation", "refine"):
+                params[key] = reader.integer(value, f"{where}.{name}.{key}", minimum=0, maximum=10)
+            elif (name, key) == ("scale_estimation", "steps"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_SCALE_STEPS
+                )
+            elif (name, key) == ("awq", "grid"):
+                params[key] = reader.integer(
+                    value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_AWQ_GRID
+                )
             elif (name, key) == ("adaround", "iterations"):
                 params[key] = reader.integer(
                     value, f"{where}.{name}.{key}", minimum=1, maximum=MAX_ADAROUND_ITERATIONS
@@ -838,6 +867,14 @@ def _read_alpha(reader: _Reader, value: Any, where: str) -> str | float:
     if not 0.0 <= float(value) <= 1.0:
         raise reader.fail(where, f"must be in [0, 1], got {_show(value)}")
     return float(value)
+
+
+def _read_fraction(reader: _Reader, value: Any, where: str, low: float, high: float) -> float:
+    """A number in [low, high]."""
+    number = reader.number(value, where)
+    if not low <= number <= high:
+        raise reader.fail(where, f"must be in [{low:g}, {high:g}], got {_show(value)}")
+    return number
 
 
 def _read_op_types(reader: _Reader, raw: Any, where: str) -> tuple[str, ...]:
@@ -877,7 +914,7 @@ def _read_weights(reader: _Reader, raw: Any, where: str) -> WeightSettings:
 
 
 def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
-    keys = {"nodes", "op_types", "roles", "precision", "weights", "activations"}
+    keys = {"nodes", "op_types", "roles", "precision", "weights", "activations", "constant_weight"}
     reader.mapping(raw, where, keys)
     nodes = raw.get("nodes", [])
     nodes = reader.string_list([nodes] if isinstance(nodes, str) else nodes, f"{where}.nodes")
@@ -885,6 +922,9 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
     op_types = _read_op_types(
         reader, [op_types] if isinstance(op_types, str) else op_types, f"{where}.op_types"
     )
+    constant_weight = raw.get("constant_weight")
+    if constant_weight is not None:
+        constant_weight = reader.boolean(constant_weight, f"{where}.constant_weight")
     roles = raw.get("roles", [])
     roles = reader.string_list([roles] if isinstance(roles, str) else roles, f"{where}.roles")
     for index, role in enumerate(roles):
@@ -917,6 +957,7 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
         activations=None
         if activations is None
         else reader.choice(activations, f"{where}.activations", ACTIVATION_PRECISIONS),
+        constant_weight=constant_weight,
     )
 
 

@@ -51,6 +51,7 @@ from qtool.metrics.results import (
 )
 from qtool.metrics.signal import SignalQuality
 from qtool.metrics.tokens import NextTokenComparison
+from qtool.model import provenance
 from qtool.ort.accuracy_level import ACCURACY_LEVEL_KEY
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.float8 import unfused_only_reason
@@ -307,6 +308,7 @@ def evaluate_models(
         low_bit=low_bit,
         accuracy_level=accuracy_level,
         written_levels=written_levels,
+        source_bytes=provenance.source_bytes(prov.get("recorded", {})),
         unfused_only=unfused_only,
         emulated=emulation,
     )

@@ -193,6 +193,9 @@ class EvalResult:
     # accuracy_level -> MatMulNBits nodes written in the model file (the session option does not
     # reach them; it applies to the nodes ORT forms from DequantizeLinear -> MatMul).
     written_levels: dict[int, int] = field(default_factory=dict)
+    # The user's model file the quantized model records it was made from (provenance), when it
+    # does: its size is what "smaller" is measured against, besides the prepared FP32 file.
+    source_bytes: int | None = None
     # Why the quantized model has no fused variant on this CPU (float8 Q/DQ), or None; then the
     # gates, the change column and the latency are the unfused run's.
     unfused_only: str | None = None
@@ -293,6 +296,12 @@ class EvalResult:
         """FP32 file size over quantized file size (> 1 means the quantized is smaller)."""
         return self.fp32.file_bytes / self.quant.file_bytes
 
+    def source_ratio(self) -> float | None:
+        """The user's model file size over the quantized file's (None when not recorded)."""
+        if self.source_bytes is None:
+            return None
+        return self.source_bytes / self.quant.file_bytes
+
     def to_dict(self, gates: Iterable[JudgedGate] = ()) -> dict:
         """JSON-ready, with the judged `gates` (qtool.metrics.gates): strict JSON has no Infinity,
         so an infinite SQNR is written as "inf"."""
@@ -338,6 +347,8 @@ class EvalResult:
                 "fp32_bytes": self.fp32.file_bytes,
                 "quant_bytes": self.quant.file_bytes,
                 "ratio": self.size_ratio(),
+                "source_bytes": self.source_bytes,
+                "source_ratio": self.source_ratio(),
             },
             "cpu": None if self.cpu is None else self.cpu.to_dict(),
             "provenance": self.provenance,

@@ -186,6 +186,15 @@ def render_table(result: EvalResult) -> Table:
         _size(result.quant.file_bytes),
         _compare(result.fp32.file_bytes, result.quant.file_bytes, "smaller", "larger"),
     )
+    if result.source_bytes is not None and result.source_bytes != result.fp32.file_bytes:
+        table.add_row(
+            "",
+            "vs your file",
+            _size(result.source_bytes),
+            _size(result.quant.file_bytes),
+            _size(result.quant.file_bytes),
+            _compare(result.source_bytes, result.quant.file_bytes, "smaller", "larger"),
+        )
     if result.low_bit is not None and result.low_bit.total:
         table.add_row("", "low-bit weights", "-", result.low_bit.brief(), "-", "")
     return table

@@ -569,6 +569,16 @@ def external_files(path: Path, model: onnx.ModelProto | None = None) -> list[Pat
     return list(files)
 
 
+def model_file_bytes(path: Path, model: onnx.ModelProto | None = None) -> int:
+    """Bytes on disk of the model file `path` and the external data files it references."""
+    path = Path(path)
+    files = [path, *external_files(path, model)]
+    try:
+        return sum(file.stat().st_size for file in files)
+    except FileNotFoundError as exc:
+        raise ModelError(f"{path}: external data file {exc.filename} does not exist") from None
+
+
 def model_sha256(path: Path, model: onnx.ModelProto | None = None) -> str:
     """SHA-256 of the model file followed by its external data files (streamed): for a model
     without external data, the file's own SHA-256. `model`: its proto, when already read."""

@@ -8,6 +8,7 @@ GatherElements fails on the position-id gather that the dynamo exporter emits fo
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
@@ -15,7 +16,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from qtool.model.graph_edit import STANDARD_DOMAINS, delete_indexes, drop_where
+from qtool.model.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_indexes, drop_where
 from qtool.model.shapes import static_shape
 
 __all__ = ["fold_constants"]
@@ -43,6 +44,11 @@ _MAX_GROWTH_BYTES = 1 << 20
 # Inputs that are weights of the consumer however large they are: the zero bias the dynamo exporter
 # builds with Expand for a bias-free Conv must become an initializer for the layer to quantize.
 _WEIGHT_SLOTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2)}
+# A Transpose of a float weight that other nodes read too stays a node: a tied embedding is read by
+# its Gather and, transposed, by the lm_head MatMul; folding the Transpose would store the table
+# twice (GPT-2: 38 MB exported, 69 MB prepared). The plan reads MatMul(x, Transpose(W)) as a
+# weighted MatMul on W (qtool/plan/ops/matmul.py), so the lm_head is still quantized.
+_SHARED_WEIGHT_VIEWS = frozenset({"Transpose"})
 
 
 class _Constants:
@@ -102,9 +108,12 @@ def fold_constants(
         for i in _WEIGHT_SLOTS.get(node.op_type, ())
         if i < len(node.input)
     }
+    readers = consumer_counts(graph)
     folded: list[int] = []  # node indexes (ids of upb wrappers are not stable)
     new_inits: list[onnx.TensorProto] = []
     for index, node in enumerate(graph.node):
+        if _view_of_shared_weight(node, consts, readers):
+            continue
         values = _try_fold(node, consts, opsets, types, weights)
         if values is None or any(o in graph_outputs for o in node.output):
             continue
@@ -119,6 +128,21 @@ def fold_constants(
     names = {t.name for t in new_inits}
     drop_where(graph.value_info, lambda vi: vi.name in names)
     return True
+
+
+def _view_of_shared_weight(node: onnx.NodeProto, consts: _Constants, readers: Counter[str]) -> bool:
+    """A Transpose of a float initializer that another node reads as well (a tied weight)."""
+    if node.op_type not in _SHARED_WEIGHT_VIEWS or node.domain not in STANDARD_DOMAINS:
+        return False
+    data = node.input[0] if node.input else ""
+    if data not in consts or readers[data] < 2:
+        return False
+    return consts.elem_type(data) in _FLOAT_TYPES and len(consts.shape(data) or []) >= 2
+
+
+_FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+)
 
 
 def _try_fold(

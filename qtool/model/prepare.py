@@ -34,6 +34,7 @@ from qtool.model.fuse_gemm import fuse_matmul_add
 from qtool.model.graph_edit import delete_indexes, drop_where, subgraph_names
 from qtool.model.opset21 import TARGET_OPSET, upgrade_to_opset21_in_place
 from qtool.model.shapes import Inference, infer, write_inference
+from qtool.model.tie_weights import share_transposed_copies
 
 __all__ = ["prepare_model", "tensor_types"]
 
@@ -49,8 +50,10 @@ def prepare_model(
     `copy=False` (a caller that drops `model` anyway: a 2 GB model is then not held twice).
 
     Steps: upgrade the default-domain opset to `min_opset`; turn initializers listed as graph inputs
-    into plain weights; remove Identity nodes; fold every node computable from constants (including
-    Shape/Size of tensors whose shape is static and CastLike of a constant); fuse rank-2 MatMul+Add
+    into plain weights; remove Identity nodes; replace an initializer that is the transpose of
+    another by a Transpose of it (tied embeddings, stored once); fold every node computable from
+    constants (including Shape/Size of tensors whose shape is static and CastLike of a constant),
+    except a Transpose of a weight other nodes read too (the tied lm_head); fuse rank-2 MatMul+Add
     into Gemm; fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm before it
     (and into a rank-2 MatMul, which becomes a Gemm); fold a constant-zero spatial Pad into the
     Conv it feeds (TensorFlow "same" padding, exported as Pad -> Conv);
@@ -68,6 +71,7 @@ def prepare_model(
     graph = out.graph
     _initializer_inputs_to_weights(graph)
     _remove_identities(graph)
+    share_transposed_copies(graph)  # a tied embedding stored once (tie_weights.py)
     opsets = {o.domain: o.version for o in out.opset_import}
     inference = _infer_seeded(out)
     for _ in range(_MAX_FOLD_ROUNDS):

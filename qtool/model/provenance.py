@@ -19,9 +19,20 @@ import onnx
 VERSION = "qtool.version"
 FLOAT_MODEL_SHA256 = "qtool.float_model_sha256"  # model.fp32.onnx beside it (+ its .data)
 SOURCE_MODEL_SHA256 = "qtool.source_model_sha256"  # the model as loaded, before preparation
+# Its size: the user's ONNX file (+ external data), or a PyTorch model as exported. Sizes are
+# reported against it: the prepared model.fp32.onnx may differ (a tied table stored twice by
+# an exporter is stored once there, so a ratio against it would understate or overstate).
+SOURCE_MODEL_BYTES = "qtool.source_model_bytes"
 RECIPE_SHA256 = "qtool.recipe_sha256"
 CALIBRATION_DATA_SHA256 = "qtool.calibration_data_sha256"
-KEYS = (VERSION, FLOAT_MODEL_SHA256, SOURCE_MODEL_SHA256, RECIPE_SHA256, CALIBRATION_DATA_SHA256)
+KEYS = (
+    VERSION,
+    FLOAT_MODEL_SHA256,
+    SOURCE_MODEL_SHA256,
+    SOURCE_MODEL_BYTES,
+    RECIPE_SHA256,
+    CALIBRATION_DATA_SHA256,
+)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -55,6 +66,12 @@ def stamp(model: onnx.ModelProto, values: dict[str, str]) -> None:
         if key in values:
             entry = model.metadata_props.add()
             entry.key, entry.value = key, values[key]
+
+
+def source_bytes(recorded: dict[str, str]) -> int | None:
+    """The source model's size a quantized model records (None: written before qtool did)."""
+    value = recorded.get(SOURCE_MODEL_BYTES)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def read(model: onnx.ModelProto) -> dict[str, str]:

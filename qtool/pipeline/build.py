@@ -2,8 +2,9 @@
 
 The order, fixed and documented (docs/architecture.md): SmoothQuant (a float-model transform
 that needs the calibration pass's per-channel statistics, so it runs after calibration and
-re-plans the smoothed graph) -> activation ranges -> weights in the deployment CPU's format
-(with GPTQ or MSE scale search where the plan asks) -> AdaRound (learns each int8 weight's
+re-plans the smoothed graph) -> AWQ (the same for weight-only layers, from the calibration
+Hessians) -> activation ranges -> weights in the deployment CPU's format (with GPTQ, MSE or
+scale estimation where the plan and the algorithms ask) -> AdaRound (learns each int8 weight's
 rounding on the ranges above) -> int32 biases -> write the QDQ model -> bias correction
 (measures each layer's mean output shift of the model as written). Cross-layer equalization is
 the one algorithm before calibration (app/, pipeline.float_model): it changes the float model
@@ -12,16 +13,19 @@ whose ranges calibration measures.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from qtool import kernels
+from qtool.algorithms.awq import apply_awq
 from qtool.algorithms.bias_correction import apply_bias_correction
 from qtool.algorithms.smoothquant import apply_smoothquant
-from qtool.algorithms.spec import Algorithms
+from qtool.algorithms.spec import Algorithms, GptqParams
 from qtool.calibration.channels import channels_path, load_channels
 from qtool.calibration.spec import CalibrationSpec
 from qtool.data.source import BatchSource
@@ -37,9 +41,11 @@ from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.write.float_type import type_model
+from qtool.write.low_bit import LowBitOptions
 from qtool.write.matmul_nbits import nbits_level
 from qtool.write.params import ActivationParams
 from qtool.write.qdq import write_qdq_model
+from qtool.write.scale_estimation import ScaleSearch
 from qtool.write.typed_plan import (
     largest_magnitudes,
     needs_typing,
@@ -133,12 +139,28 @@ def build_quantized(
         model, layout = smoothed.model, smoothed.layout
         stats, hessians = smoothed.stats, smoothed.hessians
         algorithms["smoothquant"] = smoothed.entry
+    awq = settings.algorithms.awq
+    if awq is not None:
+        with phase("AWQ"):  # alpha search per weight-only layer input, then the scaled model
+            scaled = apply_awq(model, layout, awq, hessians, settings.replan)
+        model, layout, hessians = scaled.model, scaled.layout, scaled.hessians
+        algorithms["awq"] = scaled.entry
     device = kernels.default_device()
     cpu = cpu if cpu is not None else settings.cpu()
     symmetric = spec.symmetric_activations
     if cache is None:
         activations = activation_parameters(layout, stats, settings.calibration, symmetric, device)
-        weights = weight_parameters(model, layout, spec, cpu, device, hessians)
+        options = low_bit_options(settings.algorithms)
+        if settings.algorithms.scale_estimation is not None:
+            algorithms["scale_estimation"] = dataclasses.asdict(
+                settings.algorithms.scale_estimation
+            )
+        if settings.algorithms.gptq is not None:
+            algorithms["gptq"] = dataclasses.asdict(settings.algorithms.gptq)
+        # GPTQ and scale estimation take minutes on an LLM: a phase line says where the time went
+        slow = options.scale_search is not None or bool(layout.gptq_inputs)
+        with phase("quantizing weights against the Hessians") if slow else nullcontext():
+            weights = weight_parameters(model, layout, spec, cpu, device, hessians, options)
     else:
         if settings.algorithms:
             raise ValueError("cached parameters are for builds without algorithms")
@@ -178,11 +200,12 @@ def build_quantized(
         )
     biases = bias_parameters(model, layout, activations, weights)
     correction = settings.algorithms.bias_correction
+    changed = smoothquant is not None or awq is not None  # the staged file is the unchanged model
     lazy = float_model.lazy  # the writer copies the lazy weights it keeps from the staged file
-    if float_model.staged is not None and correction is None and smoothquant is None and not lazy:
+    if float_model.staged is not None and correction is None and not changed and not lazy:
         # The float weights being replaced are read no more (the writer drops them): read back
         # only the rest from the staged file, so the float model is not held while writing.
-        # (Not after SmoothQuant: the staged file holds the unsmoothed model.)
+        # (Not after SmoothQuant or AWQ: the staged file holds the model they changed.)
         float_model.model = model = None  # dropped before the read: never held twice
         float_model.model = model = float_model.staged.load(skip=set(weights) | set(biases))
 
@@ -244,6 +267,20 @@ def tuning_inputs(
             "and the build was given none"
         )
     return lambda: (batch.inputs for batch in source.batches(batch_size))
+
+
+def low_bit_options(algorithms: Algorithms) -> LowBitOptions:
+    """The Hessian weight methods' settings from the recipe's algorithms (GPTQ's defaults,
+    no scale search, when they are not listed)."""
+    gptq = algorithms.gptq if algorithms.gptq is not None else GptqParams()
+    search = algorithms.scale_estimation
+    return LowBitOptions(
+        act_order=gptq.act_order,
+        damp=gptq.damp,
+        scale_search=None
+        if search is None
+        else ScaleSearch(search.steps, search.min_factor, search.refine),
+    )
 
 
 def _reads_whole_model(settings: BuildSettings, layout: Layout) -> bool:

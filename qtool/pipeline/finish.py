@@ -103,16 +103,16 @@ def stamp_provenance(
     data_sha256: str | None,
 ) -> None:
     """Record in `quantized` what it was made from, so `evaluate` can refuse a foreign FP32."""
-    provenance.stamp(
-        quantized,
-        {
-            provenance.VERSION: __version__,
-            provenance.FLOAT_MODEL_SHA256: float_model.fingerprint,
-            provenance.SOURCE_MODEL_SHA256: float_model.source_sha256,
-            provenance.RECIPE_SHA256: settings_sha256,
-            provenance.CALIBRATION_DATA_SHA256: data_sha256 or "none",
-        },
-    )
+    values = {
+        provenance.VERSION: __version__,
+        provenance.FLOAT_MODEL_SHA256: float_model.fingerprint,
+        provenance.SOURCE_MODEL_SHA256: float_model.source_sha256,
+        provenance.RECIPE_SHA256: settings_sha256,
+        provenance.CALIBRATION_DATA_SHA256: data_sha256 or "none",
+    }
+    if float_model.source_bytes is not None:
+        values[provenance.SOURCE_MODEL_BYTES] = str(float_model.source_bytes)
+    provenance.stamp(quantized, values)
 
 
 def stage_quantized(
@@ -206,6 +206,7 @@ def verify_and_report(
         report["algorithms"] = built.algorithms
         if built.choice is not None:
             report["model_choice"] = built.choice
+        report["size"] = _sizes(float_model, quant_files)
         report["float_type"] = built.float_type
         if tensorrt is not None:
             report["tensorrt"] = tensorrt
@@ -221,6 +222,35 @@ def verify_and_report(
     finally:
         if finished is None and staged is not None:
             staged.discard()
+
+
+def _file_bytes(files: dict[Path, bytes | Staged]) -> int:
+    return sum(
+        len(content) if isinstance(content, bytes) else content.path.stat().st_size
+        for content in files.values()
+    )
+
+
+def _sizes(float_model: FloatModel, quant_files: dict[Path, bytes | Staged]) -> dict:
+    """The quantized model's size against the user's model file and the prepared float model
+    (they differ where preparation stored a tied table once that the export stored twice)."""
+    quantized = _file_bytes(quant_files)
+    if float_model.staged is not None:
+        prepared = _file_bytes(float_model.staged.files())
+    elif float_model.float_file is not None:
+        prepared = float_model.float_file.path.stat().st_size
+    else:
+        prepared = len(float_model.serialized or b"")
+    sizes = {
+        "source_model_bytes": float_model.source_bytes,
+        "float_model_bytes": prepared,
+        "quantized_model_bytes": quantized,
+        "source_over_quantized": None,
+        "float_over_quantized": prepared / quantized if quantized else None,
+    }
+    if float_model.source_bytes is not None and quantized:
+        sizes["source_over_quantized"] = float_model.source_bytes / quantized
+    return sizes
 
 
 def _verify(

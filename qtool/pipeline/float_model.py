@@ -37,6 +37,9 @@ class FloatModel:
     # It holds `serialized`, of which `model` is the parse: calibration copies it rather than
     # serializing `model` again, so nothing may change `model` before calibration.
     float_file: Staged | None = None
+    # The user's model file in bytes (ONNX: with its external data; PyTorch: the export),
+    # what sizes are reported against (provenance.SOURCE_MODEL_BYTES).
+    source_bytes: int | None = None
     # A staged model held with lazy weights (external_data.lazy_file): every large initializer
     # read from the staged file when a stage needs it (the weight being quantized), none held.
     lazy: bool = False
@@ -124,14 +127,24 @@ def source_sha256(spec: ModelSpec, onnx_digest: hashlib._Hash | None = None) -> 
     return digest.hexdigest()
 
 
+def source_file_bytes(spec: ModelSpec, loaded: onnx.ModelProto) -> int:
+    """The size of the model as the user gave it: the ONNX file and its external data, or for
+    a PyTorch source the model qtool exported (`loaded`, before preparation)."""
+    if spec.onnx is not None:
+        return external_data.model_file_bytes(Path(spec.onnx))
+    return loaded.ByteSize()
+
+
 def load_prepared(
     spec: ModelSpec, inputs: tuple[InputSpec, ...], min_opset: int
-) -> tuple[onnx.ModelProto, str]:
-    """The user's model loaded (or exported from PyTorch) and prepared, and its source hash."""
+) -> tuple[onnx.ModelProto, str, int]:
+    """The user's model loaded (or exported from PyTorch) and prepared, its source hash and
+    its source size in bytes."""
     onnx_digest = hashlib.sha256()
     loaded = load_model(spec, inputs, onnx_digest)
     source = source_sha256(spec, onnx_digest)
-    return prepare_in_place(loaded, min_opset, str(spec.onnx or spec.pytorch)), source
+    size = source_file_bytes(spec, loaded)
+    return prepare_in_place(loaded, min_opset, str(spec.onnx or spec.pytorch)), source, size
 
 
 def prepare_in_place(model: onnx.ModelProto, min_opset: int, where: str) -> onnx.ModelProto:
@@ -144,9 +157,12 @@ def prepare_in_place(model: onnx.ModelProto, min_opset: int, where: str) -> onnx
             raise ModelError(f"{where}: {exc}") from None
 
 
-def freeze(model: onnx.ModelProto, float_path: Path, source: str) -> FloatModel:
+def freeze(
+    model: onnx.ModelProto, float_path: Path, source: str, source_bytes: int | None = None
+) -> FloatModel:
     """The handle on `model` as it will be written to `float_path` (nothing is written yet,
-    except a model over protobuf's limit, staged as external data beside `float_path`).
+    except a model over protobuf's limit, staged as external data beside `float_path`);
+    `source_bytes`: the user's model file's size (source_file_bytes).
 
     A staged model comes back lazy (its weights stay in the staged file): the caller still holds
     `model` during this call, so reading the weights back here would hold them twice; a caller
@@ -158,10 +174,12 @@ def freeze(model: onnx.ModelProto, float_path: Path, source: str) -> FloatModel:
             staged = external_data.stage_model(model, float_path)
             del model
             lazy = staged.lazy()
-        return FloatModel(lazy, None, staged.sha256, source, staged, lazy=True)
+        return FloatModel(
+            lazy, None, staged.sha256, source, staged, lazy=True, source_bytes=source_bytes
+        )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()
     # Re-parsed from its bytes: the proto that preparation built holds on to the memory of every
     # intermediate copy (on the benchmark encoder 512 MB before calibration, 257 MB after this).
     model = onnx.load_from_string(serialized)
-    return FloatModel(model, serialized, fingerprint, source)
+    return FloatModel(model, serialized, fingerprint, source, source_bytes=source_bytes)

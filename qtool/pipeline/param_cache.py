@@ -79,7 +79,12 @@ class ParamCache:
         if todo:
             # The build stage's own function, run on the weights not seen before; it records
             # the format it chose in each WeightPlan, which the cache keeps for later variants.
-            partial = Layout(plan=layout.plan, weights=todo, gptq_inputs=layout.gptq_inputs)
+            partial = Layout(
+                plan=layout.plan,
+                weights=todo,
+                gptq_inputs=layout.gptq_inputs,
+                weight_inputs=layout.weight_inputs,
+            )
             computed = weight_parameters(model, partial, spec, cpu, device, dict(hessians))
             for name, params in computed.items():
                 self._weights[keys[name]] = (params, dataclasses.asdict(plans[name]))

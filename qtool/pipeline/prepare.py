@@ -49,9 +49,9 @@ def prepare(
     (FloatModel.lazy), read one at a time by the stages that can (quantize without the search);
     else they are read back once the prepared proto is dropped."""
     min_opset = planning.min_opset(source.opset, quantization)
-    model, source_sha = load_prepared(source, data.inputs, min_opset)
+    model, source_sha, source_bytes = load_prepared(source, data.inputs, min_opset)
     equalization = _equalize(model, quantization, cle, data) if cle is not None else None
-    frozen = freeze(model, float_path, source_sha)
+    frozen = freeze(model, float_path, source_sha, source_bytes)
     del model
     release_freed_memory()  # the prepared proto (a staged model's weights are in its file now)
     if not lazy_weights:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import onnx
 
-from qtool.algorithms import smoothquant
+from qtool.algorithms import awq, smoothquant
 from qtool.algorithms.spec import Algorithms
 from qtool.calibration.requests import StatisticRequests, plan_requests
 from qtool.calibration.spec import CalibrationSpec
@@ -26,4 +26,22 @@ def requests_for(
     if params is not None:
         smoothquant.check_method(calibration.method, where)
         requests = requests | smoothquant.requests(model, layout, params)
+    if algorithms.awq is not None:
+        requests = requests | awq.requests(model, layout)
+    if algorithms.scale_estimation is not None:
+        requests = requests | StatisticRequests(hessians=scale_search_inputs(layout))
     return requests
+
+
+def scale_search_inputs(layout: Layout) -> tuple[str, ...]:
+    """The layer inputs whose Hessians scale estimation weighs blocks by: those of the blocked
+    MatMul/Gemm weights (LowBitOptions' rule, write/low_bit.py)."""
+    plans = layout.plan.weight_plans()
+    inputs = [
+        layout.weight_inputs[name]
+        for name, slot in layout.weights.items()
+        if name in layout.weight_inputs
+        and plans[name].block_size is not None
+        and slot.reduction in ("k-rows", "k-cols")
+    ]
+    return tuple(dict.fromkeys(inputs))

@@ -7,6 +7,8 @@ something qtool cannot quantize, so both see one definition of each.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
@@ -36,6 +38,29 @@ class GraphIndex:
     def is_float_constant(self, name: str) -> bool:
         init = self.initializers.get(name)
         return init is not None and init.data_type == TensorProto.FLOAT
+
+    def transposed_constant(self, name: str) -> str | None:
+        """The 2-D float initializer W when `name` is Transpose(W) (perm [1, 0]): a tied lm_head
+        reads its embedding table this way (qtool/model/tie_weights.py), else None."""
+        node = self.producer.get(name)
+        if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            return None
+        source = node.input[0]
+        if not self.is_float_constant(source) or len(self.initializers[source].dims) != 2:
+            return None
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        return source if perm == [1, 0] else None
+
+    def weight_of(self, node: onnx.NodeProto, planned: Container[str]) -> str | None:
+        """The planned weight `node` reads: an input in `planned`, or the initializer behind a
+        Transpose input (a tied lm_head reads its table transposed)."""
+        for name in node.input:
+            if name in planned:
+                return name
+            source = self.transposed_constant(name) if name else None
+            if source is not None and source in planned:
+                return source
+        return None
 
     def constant_scalar(self, name: str) -> float | None:
         """The value of a one-element initializer, else None."""

@@ -32,6 +32,7 @@ from qtool.plan.ops.registry import Entry, OpRule
 from qtool.plan.plan import FLOAT_TYPES, NodePlan, Plan, WeightPlan
 from qtool.plan.settings import QuantizationSpec
 from qtool.plan.slots import ActivationSlot, BiasSlot, WeightSlot, slot_key
+from qtool.plan.tied import tie_weights
 
 # The slot types live in qtool/plan/slots.py (the op families build them); this is where the
 # rest of qtool imports them from.
@@ -56,6 +57,9 @@ class Layout:
     folded_clamps: dict[str, str] = field(default_factory=dict)
     # Weight -> the layer input whose Hessian (XᵀX over calibration) GPTQ needs for it.
     gptq_inputs: dict[str, str] = field(default_factory=dict)
+    # Every MatMul/Gemm weight -> its layer input (the node that planned it): where the Hessian
+    # methods that any weight may use (AWQ, scale estimation) find its Hessian.
+    weight_inputs: dict[str, str] = field(default_factory=dict)
     typed_tensors: list[str] = field(default_factory=list)
     # Tensors quantized at run time (dynamic int8: one DynamicQuantizeLinear each, shared by the
     # nodes that read it); they have no range to calibrate, so stats_tensors leaves them out.
@@ -105,14 +109,17 @@ def plan_layout(
 ) -> Layout:
     """Decide every node's precision (the Plan) and the QDQ slots; `model` must be prepared."""
     graph = GraphIndex(model, float_tensors)
-    settings = resolve_node_settings(model, spec, recipe_path, float_tensors)
+    # A weight read by several nodes (a tied embedding) is stored once: its readers' settings
+    # are made to agree, and each leader is planned before the nodes that follow it.
+    tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path, float_tensors))
+    settings = tied.settings
     layout = Layout()
     wanted: list[tuple[str, str]] = []  # (tensor, pair type) to quantize, in discovery order
     dynamic: dict[str, None] = {}  # tensors quantized at run time, in discovery order
     quantized_nodes: set[str] = set()
     weight_plans: dict[str, WeightPlan] = {}  # one plan per weight, even when nodes share it
 
-    for node in graph.nodes:
+    for node in tied.order:
         chosen = settings[node.name]
         outcome = _quantize_node(node, graph, spec, chosen, layout)
         if isinstance(outcome, tuple):
@@ -133,7 +140,8 @@ def plan_layout(
             continue
         rule = outcome
         quantized_nodes.add(node.name)
-        weight = next((layout.weights[n] for n in node.input if n in layout.weights), None)
+        weight_name = graph.weight_of(node, layout.weights)
+        weight = layout.weights[weight_name] if weight_name is not None else None
         pairs = _pair_type(chosen, rule)
         precision = chosen.precision
         if weight is None and precision == "int4":
@@ -155,8 +163,10 @@ def plan_layout(
                 activations=pairs or "float",
             )
         )
-        if weight is not None and layout.plan[node.name].weight.method == "gptq":
-            layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
+        if weight is not None and rule.weights is not None and rule.weights.gptq:
+            layout.weight_inputs.setdefault(weight.tensor, node.input[0])
+            if layout.plan[node.name].weight.method == "gptq":
+                layout.gptq_inputs.setdefault(weight.tensor, node.input[0])
         if pairs is None:
             continue
         if pairs == "dynamic":  # no pair, no range: a DynamicQuantizeLinear at run time
@@ -190,7 +200,26 @@ def plan_layout(
     layout.dynamic = list(dynamic)
     layout.typed_tensors = _typed_tensors(layout.plan, graph, spec)
     _annotate_float_nodes(layout, graph, spec.target)
+    _note_float_readers(layout, graph, tied.leaders)
+    layout.plan.nodes = {n.name: layout.plan[n.name] for n in graph.nodes}  # graph order
     return layout
+
+
+def _note_float_readers(layout: Layout, graph: GraphIndex, leaders: dict[str, str]) -> None:
+    """A float node reading a stored (quantized) weight reads its stored values: say so."""
+    for node in graph.nodes:
+        plan = layout.plan[node.name]
+        weight = graph.weight_of(node, layout.weights)
+        if plan.quantized or weight is None or plan.source == "tied":
+            continue
+        stored = layout.plan.weight_plans().get(weight)
+        if stored is None:
+            continue
+        leader = leaders.get(weight, "another node")
+        plan.reason += (
+            f"; reads weight '{weight}', stored once as node '{leader}' plans it "
+            f"(int{stored.bits}): the dequantized values"
+        )
 
 
 def _weight_plan(
@@ -284,7 +313,7 @@ def _quantize_node(
             layout.weights.setdefault(slots.weight.tensor, slots.weight)
         if slots.bias is not None:
             layout.biases.setdefault(slots.bias.tensor, slots.bias)
-        has_weight = any(name in layout.weights for name in node.input)
+        has_weight = graph.weight_of(node, layout.weights) is not None
         if not has_weight and chosen.activations == "float":
             return chosen.source, f"{chosen.reason}: activations float and no constant weight"
         if not has_weight and chosen.activations == "dynamic":

@@ -35,7 +35,7 @@ class NodeSettings:
     precision: str
     weights: WeightSettings
     activations: str
-    source: str  # "default", "excluded", "override", "not-listed"
+    source: str  # "default", "excluded", "override", "not-listed" (plan/tied.py: "tied")
     reason: str
 
 
@@ -84,6 +84,7 @@ def _check_patterns(
     spec: QuantizationSpec,
     nodes: Sequence[onnx.NodeProto],
     roles: dict[str, set[str]],
+    weighted: set[str],
 ) -> None:
     names = [node.name for node in nodes]
     op_types = {node.op_type for node in nodes}
@@ -109,17 +110,35 @@ def _check_patterns(
                     f"{recipe_path}: {override.where}.roles[{index}]: no node of the model "
                     f"plays {role!r} (found: {', '.join(sorted(found)) or 'no attention block'})"
                 )
-        if not any(_selects(override, node, roles) for node in nodes):
+        if not any(_selects(override, node, roles, weighted) for node in nodes):
             raise RecipeError(
-                f"{recipe_path}: {override.where}: no node matches all of its nodes, op_types "
-                "and roles"
+                f"{recipe_path}: {override.where}: no node matches all of its nodes, op_types, "
+                "roles and constant_weight"
             )
 
 
-def _selects(override: Override, node: onnx.NodeProto, roles: dict[str, set[str]]) -> bool:
+def weighted_nodes(model: onnx.ModelProto) -> set[str]:
+    """Names of the nodes that read a constant float weight: an initializer, or a Transpose of
+    one (a tied lm_head), what an override's `constant_weight` selects on."""
+    floats = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    views = {
+        n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in floats
+    }
+    return {
+        node.name
+        for node in model.graph.node
+        if node.op_type != "Transpose" and any(i in floats or i in views for i in node.input)
+    }
+
+
+def _selects(
+    override: Override, node: onnx.NodeProto, roles: dict[str, set[str]], weighted: set[str]
+) -> bool:
     if override.op_types and node.op_type not in override.op_types:
         return False
     if override.roles and not roles.get(node.name, set()) & set(override.roles):
+        return False
+    if override.constant_weight is not None and (node.name in weighted) != override.constant_weight:
         return False
     return not override.nodes or any(_matches(node.name, p) for p in override.nodes)
 
@@ -157,7 +176,12 @@ def resolve_node_settings(
     if any(o.roles for o in spec.overrides):
         floats = float_tensors if float_tensors is not None else float_tensors_of(model)
         roles = attention_roles(model, floats)
-    _check_patterns(recipe_path, spec, nodes, roles)
+    weighted = (
+        weighted_nodes(model)
+        if any(o.constant_weight is not None for o in spec.overrides)
+        else set()
+    )
+    _check_patterns(recipe_path, spec, nodes, roles, weighted)
     listed = set(spec.op_types)
     settings: dict[str, NodeSettings] = {}
     for node in nodes:
@@ -178,7 +202,7 @@ def resolve_node_settings(
             reason = f"excluded by quantization.exclude pattern '{excluded_by}'"
         applied = []
         for override in spec.overrides:
-            if not _selects(override, node, roles):
+            if not _selects(override, node, roles, weighted):
                 continue
             applied.append(_describe(override))
             weights = weights.layered(override.weights)

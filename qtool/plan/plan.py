@@ -33,6 +33,7 @@ SOURCES = (
     "not-listed",  # a quantizable op type the recipe did not list
     "folded",  # a Relu/Clip folded into the preceding QuantizeLinear
     "passthrough",  # shape/max op that runs on the quantized data of its neighbours
+    "tied",  # reads a weight another node reads too, stored once as that node plans it
     "kept-fp32",  # planned fp16/bf16, kept FP32 by a rule of the typing pass (write/keep_fp32.py)
 )
 

@@ -115,6 +115,9 @@ class Override:
     precision: str | None = None
     weights: WeightSettings = field(default_factory=WeightSettings)
     activations: str | None = None
+    # True: only nodes with a constant float weight (an initializer, or a Transpose of one);
+    # False: only nodes without (attention's activation x activation MatMuls); None: either.
+    constant_weight: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ def union_layout(layouts: Iterable[Layout]) -> Layout:
             union.activations.setdefault(tensor, slot)
         for weight, tensor in layout.gptq_inputs.items():
             union.gptq_inputs.setdefault(weight, tensor)
+        for weight, tensor in layout.weight_inputs.items():
+            union.weight_inputs.setdefault(weight, tensor)
         union.typed_tensors.extend(t for t in layout.typed_tensors if t not in union.typed_tensors)
     return union
 

@@ -23,7 +23,7 @@ from qtool.plan.layout import Layout
 from qtool.plan.settings import QuantizationSpec
 from qtool.write.fp8 import fp8_activation_params, quantize_fp8_weight
 from qtool.write.int4 import BlockwiseWeight
-from qtool.write.low_bit import quantize_low_bit
+from qtool.write.low_bit import LowBitOptions, quantize_low_bit
 from qtool.write.params import ActivationParams, WeightParams, activation_params, quantize_bias
 from qtool.write.qdq import BiasParams
 from qtool.write.weight_format import choose_weight
@@ -75,13 +75,16 @@ def weight_parameters(
     cpu: CpuFeatures,
     device: str,
     hessians: dict[str, HessianAccumulator] | None = None,
+    options: LowBitOptions | None = None,
 ) -> dict[str, WeightParams | BlockwiseWeight]:
-    """Every planned weight in its stored form; `hessians` maps layer inputs (Layout.gptq_inputs)
-    to their calibration Hessians for the weights whose method is gptq."""
+    """Every planned weight in its stored form; `hessians` maps layer inputs
+    (Layout.weight_inputs) to their calibration Hessians, which method gptq and scale
+    estimation (`options`) round against."""
     initializers = {init.name: init for init in model.graph.initializer}
     plans = layout.plan.weight_plans()
     integer = integer_kernel_weights(layout)
     hessians = hessians or {}
+    options = options if options is not None else LowBitOptions()
     weights: dict[str, WeightParams | BlockwiseWeight] = {}
     for name, slot in layout.weights.items():
         array = tensor_array(initializers[name])
@@ -92,8 +95,8 @@ def weight_parameters(
                 array = np.ascontiguousarray(array.T)
             weights[name] = choose_weight(array, slot, plans[name], cpu, spec.saturation, device)
         else:
-            hessian = hessians.get(layout.gptq_inputs.get(name, ""))
-            weights[name] = quantize_low_bit(array, slot, plans[name], hessian)
+            hessian = hessians.get(layout.weight_inputs.get(name, ""))
+            weights[name] = quantize_low_bit(array, slot, plans[name], hessian, options)
     return weights
 
 

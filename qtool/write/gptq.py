@@ -21,7 +21,7 @@ float64 numpy, so identical inputs give identical bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +34,10 @@ from qtool.write.int4 import (
     dequantize_values,
     quantize_values,
 )
+
+# Chooses a block's grid from its rows [rows, N] as GPTQ's error feedback has left them and the
+# block's index: (scale [N], zero point [N] or None).
+BlockGrid = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray | None]]
 
 
 def hessian_error(weight: np.ndarray, quantized: BlockwiseWeight, hessian: np.ndarray) -> float:
@@ -58,14 +62,17 @@ def gptq_quantize(
     lazy_batch: int = 128,
     act_order: bool = False,
     name: str = "weight",
+    block_grid: BlockGrid | None = None,
 ) -> BlockwiseWeight:
     """Blocked (axis 0) quantization of a MatMul weight [K, N] by GPTQ against H [K, K].
 
     `damp` adds damp * mean(diag H) to the diagonal; `lazy_batch` rows are updated together
     before the rest of W receives their error (the paper's lazy batch; it changes speed, not the
     result beyond float rounding). `method` picks each block's grid (minmax or mse) from the
-    error-updated weights. Raises ModelError for a bad weight, CalibrationError when H does not
-    match it or stays singular after damping.
+    error-updated weights, unless `block_grid` (block rows as error feedback has left them
+    [rows, N], block index) -> (scale, zero point) chooses it (scale estimation's grids). Raises
+    ModelError for a bad weight, CalibrationError when H does not match it or stays singular
+    after damping.
     """
     w = np.asarray(weight, dtype=np.float64)
     if w.ndim != 2:
@@ -109,9 +116,12 @@ def gptq_quantize(
             if not started[b]:
                 rows = position[b * block_size : min((b + 1) * block_size, k)]
                 current = _current_rows(rows, wp, w1, err1, u, i1, i2, i1 + i)
-                s, z = block_scales(
-                    current, bits=bits, symmetric=symmetric, method=method, mse_grid=mse_grid
-                )
+                if block_grid is not None:
+                    s, z = block_grid(current, b)
+                else:
+                    s, z = block_scales(
+                        current, bits=bits, symmetric=symmetric, method=method, mse_grid=mse_grid
+                    )
                 scale[b] = s
                 if zero is not None:
                     zero[b] = z

@@ -51,6 +51,7 @@ __all__ = [
     "quantize_per_channel",
     "quantize_values",
     "to_initializers",
+    "transpose_blockwise",
 ]
 
 # 1.0 first: the minmax range is a candidate of every search and wins ties.
@@ -453,6 +454,25 @@ def quantize_embedding(
         axis=1,
         name=name,
         device=device,
+    )
+
+
+def transpose_blockwise(bw: BlockwiseWeight) -> BlockwiseWeight:
+    """The same quantized 2-D weight transposed: values, scales and zero points swap axes, and
+    the blocks (or channels) run along the other axis."""
+    if bw.values.ndim != 2:
+        raise ValueError(f"only 2-D weights transpose, got shape {bw.values.shape}")
+
+    def swap(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.T) if a.ndim == 2 else a
+
+    return BlockwiseWeight(
+        values=swap(bw.values),
+        scale=swap(np.asarray(bw.scale)),
+        zero_point=None if bw.zero_point is None else swap(np.asarray(bw.zero_point)),
+        bits=bw.bits,
+        axis=1 - bw.axis,
+        block_size=bw.block_size,
     )
 
 

@@ -27,6 +27,7 @@ from qtool.write.int4 import (
 )
 from qtool.write.matmul_nbits import matmul_nbits_node, nbits_blocker, nbits_initializers
 from qtool.write.params import ActivationParams, WeightParams
+from qtool.write.tied import tied_tables
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,12 @@ def write_qdq_model(
             f"weight '{needs_21}' is 4-bit or blocked, which needs opset 21, but the prepared "
             f"model is opset {opset} (preparation should have upgraded it)"
         )
-    fused_tables = _fused_gather_tables(layout, target) & set(low_bit)
+    # A table read by Gathers and, transposed, by MatMuls (a tied lm_head): one set of uint8
+    # initializers for GatherBlockQuantized and MatMulNBits alike (write/tied.py).
+    tables, tied_matmuls, tied_transposes = (
+        tied_tables(graph, low_bit) if nbits_level is not None else ({}, {}, set())
+    )
+    fused_tables = (_fused_gather_tables(layout, target) & set(low_bit)) - set(tables)
     gather_readers = {
         name
         for name in fused_tables
@@ -96,8 +102,14 @@ def write_qdq_model(
     }
     transposed = {name for name, slot in layout.weights.items() if slot.transposed}
     nbits = {} if nbits_level is None else nbits_readers(graph, low_bit, transposed)
+    nbits = {name: node for name, node in nbits.items() if name not in tables}
     dims = {i.name: list(i.dims) for i in graph.initializer} if nbits else {}  # Gemm biases
+    for _, table in sorted(tables.items()):
+        new_initializers.extend(table.initializers())
+        head_nodes.extend(table.head_nodes())
     for name, bw in sorted(low_bit.items()):
+        if name in tables:
+            continue
         if name in nbits:
             new_initializers.extend(nbits_initializers(name, bw))
             continue
@@ -162,7 +174,20 @@ def write_qdq_model(
     for source in sorted(s for s in pairs_after if s in graph_inputs):
         body.extend(pairs_after[source])
     for node in graph.node:
-        if node.name in folded:
+        if node.name in folded or node.name in tied_transposes:
+            continue
+        if node.op_type == "Gather" and node.input[0] in tables:
+            body.append(tables[node.input[0]].gather(node))
+            body.extend(pairs_after.get(node.output[0], []))
+            continue
+        if node.name in tied_matmuls:
+            matmul = onnx.NodeProto()
+            matmul.CopyFrom(node)
+            if matmul.input[0] in rename:
+                matmul.input[0] = rename[matmul.input[0]]
+            body.append(tables[tied_matmuls[node.name]].matmul(matmul, nbits_level))
+            for out in node.output:
+                body.extend(pairs_after.get(out, []))
             continue
         if node.op_type == "Gather" and node.input[0] in fused_tables:
             table = node.input[0]
@@ -194,7 +219,7 @@ def write_qdq_model(
         value_info=value_info,
     )
     opset_imports = list(model.opset_import)
-    if (fused_tables or nbits) and all(o.domain != MS_DOMAIN for o in opset_imports):
+    if (fused_tables or nbits or tables) and all(o.domain != MS_DOMAIN for o in opset_imports):
         opset_imports.append(helper.make_opsetid(MS_DOMAIN, 1))
     quantized_model = helper.make_model(
         new_graph,

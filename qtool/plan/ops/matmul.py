@@ -46,14 +46,18 @@ def matmul_slots(
     chosen: NodeSettings,
     entry: Entry,
 ) -> NodeSlots | str:
-    """A constant B is the weight (per output column, or blocks along K); a float B is an
-    activation like A, and the node has no weight."""
+    """A constant B is the weight (per output column, or blocks along K), and so is the
+    initializer W behind B = Transpose(W) (a tied lm_head); a float B is an activation like A,
+    and the node has no weight."""
     a, b = node.input[0], node.input[1]
     if not graph.is_float_activation(a) and not graph.is_float_constant(a):
         return "input A is not float"
     if graph.is_float_constant(a):
         return "constant first input (weight on the left) is not supported"
     settings = chosen.weights
+    tied = graph.transposed_constant(b)
+    if tied is not None:
+        return NodeSlots(transposed_read_slot(tied, settings.granularity, settings.block_size))
     if graph.is_float_constant(b):
         dims = graph.initializers[b].dims
         if settings.granularity == "block" and chosen.activations == "dynamic":
@@ -65,6 +69,18 @@ def matmul_slots(
     if not graph.is_float_activation(b):
         return "input B is not float"
     return NodeSlots(None)
+
+
+def transposed_read_slot(weight: str, granularity: str, block_size: int | None) -> WeightSlot:
+    """MatMul(x, Transpose(W)): W [N, K] is the weight, read as Gemm transB reads its own.
+
+    A tied lm_head reads its embedding table this way. W keeps its own orientation in the file
+    (every other reader, the embedding Gather, reads it as it is): one scale per output row
+    (axis 0), or blocks along K (axis 1), which is also MatMulNBits' own [N, K] layout and
+    GatherBlockQuantized's, so one stored table serves both (qtool/write/tied.py)."""
+    if granularity == "block":
+        return WeightSlot(weight, 1, "k-cols", block_size=block_size)
+    return WeightSlot(weight, None if granularity == "per-tensor" else 0, "k-cols")
 
 
 def gemm_slots(
@@ -197,8 +213,9 @@ def _entries(
     nbits = f"MatMulNBits replacing the {op} (com.microsoft; compute type picked for the CPU)"
     blocked = f"DQ(int4 blocks along K) -> {op}"
     weight_only_8 = Entry(
-        f"weight int8 per output channel (or blocks along K) -> DQ -> {op} on float activations",
-        (op,),
+        f"weight int8 per output channel (or blocks along K) -> DQ -> {op} on float activations "
+        "(a tied table in blocks: 8-bit MatMulNBits sharing the embedding's data)",
+        (op, "MatMulNBits"),
         ("MatMulNBits",),
         when=_NBITS8_WHEN.format(op=op),
         not_fused=not_nbits,
