@@ -35,11 +35,9 @@ machine); `--rows ...,nncf-int4-sym,nncf-int8` runs them. Results: a table on st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -306,35 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--auto", action="store_true")
         a = p.parse_args(argv[1:])
         return _quantize_qtool(a.recipe, a.out, a.auto)
-    args = parse_args(argv)
-    if "fp32" not in args.rows:
-        args.rows = ["fp32", *args.rows]
-
-    def log(line: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
-
-    report: dict = {
-        "machine": llm_peers.machine(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "python -m benchmarks.llm " + " ".join(argv),
-        "models": {},
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    failed = False
-    for key in args.models:
-        try:
-            report["models"][key] = llm_peers.run_model(key, args, log)
-        except Exception as exc:  # noqa: BLE001 - one model's failure is its entry
-            report["models"][key] = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
-            log(f"{key}: {report['models'][key]['status']}")
-            failed = True
-        args.json.write_text(json.dumps(report, indent=2, default=str))
-    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    report["machine"]["load_average_end"] = os.getloadavg()
-    args.json.write_text(json.dumps(report, indent=2, default=str))
-    print(table(report))
-    print(f"JSON: {args.json}")
-    return 1 if failed else 0
+    return llm_peers.run_all(parse_args(argv), "python -m benchmarks.llm " + " ".join(argv), table)
 
 
 if __name__ == "__main__":

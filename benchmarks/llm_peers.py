@@ -827,6 +827,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_all(args: argparse.Namespace, command: str, render: Callable[[dict], str]) -> int:
+    """Every model of `args` in turn (one model's failure is its entry; the others run), the
+    JSON rewritten after each, then the table `render` makes of it. Shared by llm_peers.py and
+    llm.py, whose rows differ but whose run is the same. Exit 1 when a model failed."""
+    if "fp32" not in args.rows:
+        args.rows = ["fp32", *args.rows]
+
+    def log(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+    report: dict = {
+        "machine": machine(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "models": {},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for key in args.models:
+        try:
+            report["models"][key] = run_model(key, args, log)
+        except Exception as exc:  # noqa: BLE001 - one model's failure is its entry; others run
+            report["models"][key] = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
+            log(f"{key}: {report['models'][key]['status']}")
+            failed = True
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    report["machine"]["load_average_end"] = os.getloadavg()
+    args.json.write_text(json.dumps(report, indent=2, default=str))
+    print(render(report))
+    print(f"JSON: {args.json}")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["quantize-ort"]:
@@ -849,35 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--rounds", type=int, default=3)
         _latency_only(p.parse_args(argv[1:]))
         return 0
-    args = parse_args(argv)
-    if "fp32" not in args.rows:
-        args.rows = ["fp32", *args.rows]
-
-    def log(line: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
-
-    report: dict = {
-        "machine": machine(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "python -m benchmarks.llm_peers " + " ".join(argv),
-        "models": {},
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    failed = False
-    for key in args.models:
-        try:
-            report["models"][key] = run_model(key, args, log)
-        except Exception as exc:  # noqa: BLE001 - one model's failure is its entry; others run
-            report["models"][key] = {"status": f"failed: {type(exc).__name__}: {exc}"[:300]}
-            log(f"{key}: {report['models'][key]['status']}")
-            failed = True
-        args.json.write_text(json.dumps(report, indent=2, default=str))
-    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    report["machine"]["load_average_end"] = os.getloadavg()
-    args.json.write_text(json.dumps(report, indent=2, default=str))
-    print(table(report))
-    print(f"JSON: {args.json}")
-    return 1 if failed else 0
+    return run_all(parse_args(argv), "python -m benchmarks.llm_peers " + " ".join(argv), table)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from qtool.errors import DataError, ModelError
 from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.signal import SignalQuality, json_float
 from qtool.model import external_data
-from qtool.ort.sessions import create_session, ort_reason
+from qtool.ort.sessions import as_declared, create_session, ort_reason
 from qtool.phases import phase
 from qtool.pipeline import planning
 from qtool.pipeline.build import BuildSettings, Built, build_quantized
@@ -172,8 +172,11 @@ def score_models(
     for index, batch in enumerate(batches):
         feed = dict(batch.inputs)
         try:
-            ref = reference.run([output], feed)[0]
-            tests = {name: s.run([output], feed)[0] for name, s in sessions.items()}
+            ref = reference.run([output], as_declared(feed, reference))[0]
+            # a candidate written with float_io: float_type declares FP16 inputs: fed so
+            tests = {
+                name: s.run([output], as_declared(feed, s))[0] for name, s in sessions.items()
+            }
         except Exception as exc:  # ORT raises private types for bad feeds
             raise DataError(f"tuning batch {index} failed: {ort_reason(exc)}") from None
         rows += len(batch)
