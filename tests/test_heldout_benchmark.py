@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from benchmarks import heldout, heldout_texts
@@ -51,4 +52,16 @@ def test_held_out_sources_are_disjoint_from_the_calibration_text():
     assert set(texts) == set(heldout_texts.SOURCES)
     for sentences in texts.values():
         assert len(sentences) == 16 and not calibration & set(sentences)
-    assert not calibration & set(heldout_texts.tuning_sentences(16))
+
+
+@pytest.mark.skipif(
+    not heldout_texts.FORTUNES.is_dir(),
+    reason=f"the tuning source {heldout_texts.FORTUNES} is absent (apt-get install fortunes)",
+)
+def test_the_tuning_source_is_disjoint_from_the_calibration_text():
+    calibration = set(
+        Path(heldout.REPO / "examples" / "minilm" / "sentences.txt").read_text().splitlines()
+    )
+    tuning = heldout_texts.tuning_sentences(16)
+    assert len(tuning) == 16 and not calibration & set(tuning)
+    assert not set(tuning) & {s for v in heldout_texts.heldout_sentences(16).values() for s in v}
