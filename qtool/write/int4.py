@@ -199,9 +199,10 @@ def _prefer_signed_chunk(
 ) -> tuple[np.ndarray, np.ndarray]:
     low, high = _block_range(blocks)
     signed = _signed_scales(low, high, bits)
-    better = _block_error(blocks, signed, None, bits) < _block_error(blocks, scale, None, bits)
-    scale = np.where(better, signed, scale)
     signed_values = quantize_values(blocks, signed[:, None, :], None, bits)
+    # `values` are `scale`'s grid already: each grid is rounded once and its error read from it.
+    better = _values_error(blocks, signed_values, signed) < _values_error(blocks, values, scale)
+    scale = np.where(better, signed, scale)
     return np.where(better[:, None, :], signed_values, values), scale
 
 
@@ -291,10 +292,25 @@ def _block_error(
     """Sum over each block's rows of the squared float32 reconstruction error, float64 [nb, M]."""
     s = scale[:, None, :]
     z = None if zero is None else zero[:, None, :]
-    diff = (dequantize_values(quantize_values(blocks, s, z, bits), s, z) - blocks).astype(
-        np.float64
-    )
-    return np.add.accumulate(diff * diff, axis=1)[:, -1]
+    return _values_error(blocks, quantize_values(blocks, s, z, bits), scale, zero)
+
+
+def _values_error(
+    blocks: np.ndarray, values: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None
+) -> np.ndarray:
+    """`_block_error` of values already rounded to (scale, zero): float64 [nb, M].
+
+    The squares of float32 differences are exact in float64 and are added row by row in order,
+    the order `np.add.accumulate` defines (which the compiled MSE search reproduces), without
+    holding a float64 copy of the whole block array."""
+    diff = dequantize_values(values, scale[:, None, :], None if zero is None else zero[:, None, :])
+    diff -= blocks
+    total = np.zeros((blocks.shape[0], blocks.shape[2]), np.float64)
+    for row in range(blocks.shape[1]):
+        term = diff[:, row, :].astype(np.float64)
+        term *= term
+        total += term
+    return total
 
 
 def block_scales(
