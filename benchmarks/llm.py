@@ -12,6 +12,8 @@ measured like every peer (wall and CPU seconds, peak RSS):
 * `qtool-int8`: the `int8-llm` preset (weight-only int8 per channel, int8 embedding table that
   the tied lm_head shares);
 * `qtool-w8a8`: int8 weights and static int8 activations on every MatMul (min-max ranges);
+* `qtool-w8a8-sq`: the `int8-transformer` preset on MatMul/Gather (static int8 activations after
+  SmoothQuant, alpha searched on the tuning windows, kept only where it beats plain min-max there);
 * `qtool-int4-rtn`: 4-bit blocks of 32 (asymmetric), round to nearest, int8 embedding table;
 * `qtool-int4-awq`: the same with AWQ (activation-aware input-channel scales);
 * `qtool-int4-gptq`: the same with GPTQ (activation order), no AWQ;
@@ -60,6 +62,15 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
         },
         False,
     ),
+    "qtool-w8a8-sq": (
+        "qtool W8A8 SmoothQuant (int8-transformer)",
+        {
+            "base": "int8-transformer",
+            "calibration": {"batch_size": 1},
+            "quantization": {"op_types": ["MatMul", "Gather"]},
+        },
+        False,
+    ),
     "qtool-int4-rtn": (
         "qtool INT4 RTN",
         {
@@ -101,6 +112,11 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
     "qtool-int4": ("qtool INT4 AWQ+SE+GPTQ (int4-llm)", {"base": "int4-llm"}, False),
     "qtool-auto": ("qtool --auto (int4-llm, perplexity budget)", {"base": "int4-llm"}, True),
 }
+
+# Rows whose recipe names `tuning.data`: the tuning windows (documents of the calibration source
+# that calibration does not read), where SmoothQuant's alpha and the keep-only-if-better rule are
+# scored, never the held-out fortunes.
+TUNED_ROWS = {"qtool-w8a8-sq"}
 
 
 def _inputs(info: dict, window: int) -> dict:
@@ -152,11 +168,15 @@ def qtool_recipe(name: str, ctx: RowContext) -> Path:
     }
     if "quantization" in keys:
         recipe["quantization"] = keys["quantization"]
-    if auto:
+    if auto or name in TUNED_ROWS:
         with np.load(ctx.tuning) as data:
             tuning = data["windows"][: ctx.args.auto_windows]
+        tuning_npz = decoder_npz(tuning, info, ctx.folder / "tuning.npz")
+    if name in TUNED_ROWS:
+        recipe["tuning"] = {"data": {"npz": str(tuning_npz)}}
+    if auto:
         recipe["evaluation"] = {
-            "data": {"npz": str(decoder_npz(tuning, info, ctx.folder / "tuning.npz"))},
+            "data": {"npz": str(tuning_npz)},
             "batch_size": 1,
             "metric": "perplexity",
             "max_drop": ctx.args.auto_budget,

@@ -142,3 +142,30 @@ def test_db_conversions_and_formats() -> None:
     assert noise_ratio_from_db(math.inf) == 0.0
     assert json_float(math.inf) == "inf" and json_float(-math.inf) == "-inf"
     assert format_db(17.2249) == "17.22" and format_db(math.inf) == "inf"
+
+
+@pytest.mark.parametrize("cosine", ["rows", "global"])
+def test_a_batch_over_the_chunk_size_is_measured_by_slices_like_a_small_one(
+    monkeypatch, cosine
+) -> None:
+    """An LLM's logits (134M values) are read slice by slice; every measure equals the
+    whole-batch one (sums to float64 rounding, counts exactly), zero rows included."""
+    from qtool.metrics import signal
+
+    rng = np.random.default_rng(7)
+    reference = rng.standard_normal((3, 5, 40)).astype(np.float32)
+    test = (reference + 0.05 * rng.standard_normal(reference.shape)).astype(np.float32)
+    reference[1], test[1] = 0.0, 0.0  # an all-zero sample: cosine 1
+    test[2, :, 3] += 9.0  # changes top-1 predictions
+    measures = {"cosine": cosine, "top1": True, "peak": True, "margin": True}
+    whole = SignalQuality(**measures)
+    whole.update(reference, test)
+    monkeypatch.setattr(signal, "CHUNK_ELEMENTS", 80)  # two rows of 40 per slice
+    sliced = SignalQuality(**measures)
+    sliced.update(reference, test)
+    for name in ("sqnr_db", "mse", "cosine", "margin_noise"):
+        assert getattr(sliced, name)() == pytest.approx(getattr(whole, name)(), rel=1e-12)
+    assert (sliced.agree, sliced.predictions) == (whole.agree, whole.predictions)
+    assert whole.changed() > 0
+    assert (sliced.rows, sliced.elements) == (whole.rows, whole.elements)
+    assert sliced.max_abs_diff == whole.max_abs_diff

@@ -73,6 +73,18 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(both_zero, 1.0, cos)
 
 
+# Elements of one batch read at once in float64 (32 MB per temporary); larger batches go by slices.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _cosine_of_sums(dot: float, ref_energy: float, test_energy: float) -> float:
+    """`cosine_rows`' rule from a row's sums: both all-zero 1, one all-zero 0."""
+    if ref_energy == 0.0 and test_energy == 0.0:
+        return 1.0
+    norms = math.sqrt(ref_energy) * math.sqrt(test_energy)
+    return dot / norms if norms > 0 else 0.0
+
+
 class SignalQuality:
     """Streaming comparison of `test` tensors with their `reference`.
 
@@ -120,7 +132,16 @@ class SignalQuality:
         self.margin_predictions = 0
 
     def update(self, reference: np.ndarray, test: np.ndarray) -> None:
-        """Add one batch; `test` has the shape of `reference`."""
+        """Add one batch; `test` has the shape of `reference`.
+
+        A batch larger than `CHUNK_ELEMENTS` (an LLM's logits: [1, 512, 262144] is 134M values,
+        whose float64 temporaries took 5 GB at once) is read in slices of whole rows of its last
+        axis, so the float64 working set stays one slice; the sums are the same up to float64
+        rounding (another summation order), the counts and top-1 decisions exactly the same."""
+        reference, test = np.asarray(reference), np.asarray(test)
+        if reference.ndim >= 2 and reference.size > CHUNK_ELEMENTS:
+            self._update_by_slices(reference, test)
+            return
         ref64 = np.asarray(reference, np.float64)
         test64 = np.asarray(test, np.float64)
         diff = ref64 - test64
@@ -152,6 +173,49 @@ class SignalQuality:
             )
             self.margin_noise_sum += float(np.sum(change * change))
             self.margin_predictions += int(change.size)
+
+    def _update_by_slices(self, reference: np.ndarray, test: np.ndarray) -> None:
+        """`update` of a large batch: each sample's rows of the last axis, a slice at a time."""
+        if test.shape != reference.shape:
+            raise ValueError(f"test shape {test.shape} differs from reference {reference.shape}")
+        samples, classes = reference.shape[0], reference.shape[-1]
+        step = max(1, CHUNK_ELEMENTS // max(classes, 1))
+        self.rows += samples
+        for index in range(samples):
+            ref_rows = reference[index].reshape(-1, classes)
+            test_rows = test[index].reshape(-1, classes)
+            sample_dot = sample_ref = sample_test = 0.0
+            for start in range(0, ref_rows.shape[0], step):
+                ref, out = ref_rows[start : start + step], test_rows[start : start + step]
+                ref64, test64 = ref.astype(np.float64), out.astype(np.float64)
+                diff = ref64 - test64
+                energy = float(np.sum(ref64 * ref64))
+                self.signal += energy
+                self.noise += float(np.sum(diff * diff))
+                self.elements += int(diff.size)
+                if self.cosine_mode is not None:
+                    sample_ref += energy
+                    sample_dot += float(np.sum(ref64 * test64))
+                    sample_test += float(np.sum(test64 * test64))
+                if self.top1:
+                    same = np.argmax(ref, axis=-1) == np.argmax(out, axis=-1)
+                    self.agree += int(np.count_nonzero(same))
+                    self.predictions += int(same.size)
+                if self.peak and diff.size:
+                    self.max_abs_diff = max(self.max_abs_diff, float(np.abs(diff).max()))
+                if self.margin and classes >= 2:
+                    top, runner = top_two(ref64)
+                    rows = np.arange(ref64.shape[0])
+                    change = (test64[rows, top] - test64[rows, runner]) - (
+                        ref64[rows, top] - ref64[rows, runner]
+                    )
+                    self.margin_noise_sum += float(np.sum(change * change))
+                    self.margin_predictions += int(change.size)
+            if self.cosine_mode == "rows":
+                self.cosine_sum += _cosine_of_sums(sample_dot, sample_ref, sample_test)
+            elif self.cosine_mode == "global":
+                self.dot += sample_dot
+                self.test_energy += sample_test
 
     def merge(self, other: SignalQuality) -> SignalQuality:
         """Add `other`'s batches to this one (same measures), e.g. per-output into a total."""
