@@ -67,14 +67,18 @@ def load_entry_point(spec: str, what: str):
 
 
 def load_model(
-    spec: ModelSpec, inputs: tuple[InputSpec, ...], digest: hashlib._Hash | None = None
+    spec: ModelSpec,
+    inputs: tuple[InputSpec, ...],
+    digest: hashlib._Hash | None = None,
+    read_files: list[Path] | None = None,
 ) -> onnx.ModelProto:
     """Return the FP32 model as ONNX, checked against the recipe's declared inputs.
 
     `digest`: for an ONNX source, fed the file and its external data as they are read (see
-    load_onnx), so provenance needs no second read of a model that may be gigabytes."""
+    load_onnx), so provenance needs no second read of a model that may be gigabytes;
+    `read_files`: extended with the files read (the model file, then its external data)."""
     if spec.onnx is not None:
-        model = load_onnx(Path(spec.onnx), digest)
+        model = load_onnx(Path(spec.onnx), digest, read_files)
         source = str(spec.onnx)
     else:
         model = export_pytorch(spec, inputs)
@@ -120,7 +124,9 @@ def check_defined(model: onnx.ModelProto, source: str) -> None:
             )
 
 
-def load_onnx(path: Path, digest: hashlib._Hash | None = None) -> onnx.ModelProto:
+def load_onnx(
+    path: Path, digest: hashlib._Hash | None = None, read_files: list[Path] | None = None
+) -> onnx.ModelProto:
     """Read an ONNX file and the external data files beside it (models over 2 GB keep their
     weights there: see qtool.model.external_data); a missing data file is named in the error.
 
@@ -149,6 +155,8 @@ def load_onnx(path: Path, digest: hashlib._Hash | None = None) -> onnx.ModelProt
         )
     if digest is not None:
         hash_files(digest, files, path)
+    if read_files is not None:  # the source's size without parsing the file again
+        read_files.extend([path, *files])
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # a location outside the folder, a file shorter than an offset
