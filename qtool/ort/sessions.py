@@ -123,8 +123,13 @@ def create_session(
     config: dict[str, str] | None = None,
     save_optimized: Path | None = None,
     spinning: bool = True,
+    arena: bool = True,
 ) -> onnxruntime.InferenceSession:
     """Create an inference session with qtool's deterministic settings.
+
+    `arena=False`: ORT frees each run's tensors instead of keeping them in its memory arena,
+    for a session that runs a few batches beside another one and is then dropped (verification's
+    unfused run: an LLM's logits grew the arena by gigabytes that nothing reused).
 
     `spinning=False`: ORT's idle intra-op threads sleep instead of spinning for the next run.
     For sessions whose caller works between runs (calibration observes every output): the
@@ -151,6 +156,7 @@ def create_session(
         options.add_session_config_entry(key, value)
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_cpu_mem_arena = arena
     if save_optimized is not None:
         options.optimized_model_filepath = str(save_optimized)
         options.add_session_config_entry(

@@ -669,7 +669,7 @@ def compare_fused_unfused(
     source = quantized if isinstance(quantized, bytes) else Path(quantized)
     if fused is None:  # else the caller's ORT_ENABLE_ALL session of `quantized`
         fused = create_session(source, threads=threads, optimize=True)
-    unfused = create_session(source, threads=threads, optimize=False)
+    unfused = create_session(source, threads=threads, optimize=False, arena=False)
     names = [o.name for o in unfused.get_outputs()]
     quality = {name: SignalQuality() for name in names}
     batches = 0
