@@ -14,6 +14,8 @@ measured like every peer (wall and CPU seconds, peak RSS):
 * `qtool-w8a8`: int8 weights and static int8 activations on every MatMul (min-max ranges);
 * `qtool-w8a8-sq`: the `int8-transformer` preset on MatMul/Gather (static int8 activations after
   SmoothQuant, alpha searched on the tuning windows, kept only where it beats plain min-max there);
+* `qtool-w8a8-sq-down`: the same with the gated MLPs' down projections (role `mlp-down`) weight
+  only: their inputs, where a decoder's activation outliers are largest, stay float;
 * `qtool-int4-rtn`: 4-bit blocks of 32 (asymmetric), round to nearest, int8 embedding table;
 * `qtool-int4-awq`: the same with AWQ (activation-aware input-channel scales);
 * `qtool-int4-gptq`: the same with GPTQ (activation order), no AWQ;
@@ -71,6 +73,18 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
         },
         False,
     ),
+    "qtool-w8a8-sq-down": (
+        "qtool W8A8 SmoothQuant, mlp-down inputs float",
+        {
+            "base": "int8-transformer",
+            "calibration": {"batch_size": 1},
+            "quantization": {
+                "op_types": ["MatMul", "Gather"],
+                "overrides": [{"roles": ["mlp-down"], "activations": "float"}],
+            },
+        },
+        False,
+    ),
     "qtool-int4-rtn": (
         "qtool INT4 RTN",
         {
@@ -116,7 +130,7 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
 # Rows whose recipe names `tuning.data`: the tuning windows (documents of the calibration source
 # that calibration does not read), where SmoothQuant's alpha and the keep-only-if-better rule are
 # scored, never the held-out fortunes.
-TUNED_ROWS = {"qtool-w8a8-sq"}
+TUNED_ROWS = {"qtool-w8a8-sq", "qtool-w8a8-sq-down"}
 
 
 def _inputs(info: dict, window: int) -> dict:

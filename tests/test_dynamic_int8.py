@@ -27,7 +27,7 @@ from qtool.config.recipe import load_recipe
 from qtool.errors import RecipeError
 from qtool.metrics.signal import SignalQuality
 from qtool.pipeline.planning import float_tensors, plan
-from qtool.plan.attention import attention_roles
+from qtool.plan.attention import node_roles
 
 DIM, HEADS, TOKENS = 32, 2, 8
 
@@ -216,7 +216,7 @@ def _split_recipe(folder: Path) -> Path:
 
 def test_attention_roles_come_from_the_graph(dynamic_run):
     prepared = onnx.load(str(dynamic_run / "model.fp32.onnx"))
-    roles = attention_roles(prepared, float_tensors(prepared))
+    roles = node_roles(prepared, float_tensors(prepared))
     for block in ("0", "1"):
         assert roles[f"/{block}/q/MatMul"] == {"attention-q"}
         assert roles[f"/{block}/k/MatMul"] == {"attention-k"}
@@ -458,7 +458,7 @@ def test_attention_roles_of_a_fused_qkv_with_rotary_embeddings(tmp_path):
         dynamo=False,
     )
     model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
-    roles = attention_roles(model, float_tensors(model))
+    roles = node_roles(model, float_tensors(model))
     by_role = collections.defaultdict(set)
     for name, played in roles.items():
         for role in played:

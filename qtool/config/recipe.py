@@ -48,7 +48,7 @@ from qtool.model.spec import ModelSpec
 from qtool.ort.cpu import CPU_NAMES
 from qtool.pipeline.outputs import OutputFiles
 from qtool.pipeline.tuning import BASELINES, MAX_EVERY, TuningSpec
-from qtool.plan.attention import ATTENTION_ROLES
+from qtool.plan.attention import ROLES
 from qtool.plan.ops import quantizable_op_types
 from qtool.plan.settings import (
     ACCURACY_LEVEL_CHOICES,
@@ -928,11 +928,11 @@ def _read_override(reader: _Reader, raw: Any, where: str) -> Override:
     roles = raw.get("roles", [])
     roles = reader.string_list([roles] if isinstance(roles, str) else roles, f"{where}.roles")
     for index, role in enumerate(roles):
-        reader.choice(role, f"{where}.roles[{index}]", ATTENTION_ROLES)
+        reader.choice(role, f"{where}.roles[{index}]", ROLES)
     if not nodes and not op_types and not roles:
         raise reader.fail(
             where,
-            "needs `nodes` (name globs), `op_types` or `roles` (attention roles) to say what "
+            "needs `nodes` (name globs), `op_types` or `roles` (attention, mlp-down) to say what "
             "it matches",
         )
     weights = _read_weights(reader, raw.get("weights", {}), f"{where}.weights")

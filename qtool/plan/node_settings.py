@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import onnx
 
 from qtool.errors import RecipeError
-from qtool.plan.attention import attention_roles, float_tensors_of
+from qtool.plan.attention import float_tensors_of, node_roles
 from qtool.plan.plan import FLOAT_TYPES as FLOAT_PRECISIONS
 from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
 
@@ -175,7 +175,7 @@ def resolve_node_settings(
     roles: dict[str, set[str]] = {}
     if any(o.roles for o in spec.overrides):
         floats = float_tensors if float_tensors is not None else float_tensors_of(model)
-        roles = attention_roles(model, floats)
+        roles = node_roles(model, floats)
     weighted = (
         weighted_nodes(model)
         if any(o.constant_weight is not None for o in spec.overrides)
