@@ -165,14 +165,15 @@ class SignalQuality:
             self.max_abs_diff = max(self.max_abs_diff, float(np.abs(diff).max()))
         if self.margin and ref64.ndim >= 2 and ref64.shape[-1] >= 2:
             classes = ref64.shape[-1]
-            ref2, test2 = ref64.reshape(-1, classes), test64.reshape(-1, classes)
-            top, runner = top_two(ref2)
-            rows = np.arange(ref2.shape[0])
-            change = (test2[rows, top] - test2[rows, runner]) - (
-                ref2[rows, top] - ref2[rows, runner]
-            )
-            self.margin_noise_sum += float(np.sum(change * change))
-            self.margin_predictions += int(change.size)
+            self._add_margins(ref64.reshape(-1, classes), test64.reshape(-1, classes))
+
+    def _add_margins(self, ref2: np.ndarray, test2: np.ndarray) -> None:
+        """Margin changes of float64 [predictions, classes] rows into the margin sums."""
+        top, runner = top_two(ref2)
+        rows = np.arange(ref2.shape[0])
+        change = (test2[rows, top] - test2[rows, runner]) - (ref2[rows, top] - ref2[rows, runner])
+        self.margin_noise_sum += float(np.sum(change * change))
+        self.margin_predictions += int(change.size)
 
     def _update_by_slices(self, reference: np.ndarray, test: np.ndarray) -> None:
         """`update` of a large batch: each sample's rows of the last axis, a slice at a time."""
@@ -204,13 +205,7 @@ class SignalQuality:
                 if self.peak and diff.size:
                     self.max_abs_diff = max(self.max_abs_diff, float(np.abs(diff).max()))
                 if self.margin and classes >= 2:
-                    top, runner = top_two(ref64)
-                    rows = np.arange(ref64.shape[0])
-                    change = (test64[rows, top] - test64[rows, runner]) - (
-                        ref64[rows, top] - ref64[rows, runner]
-                    )
-                    self.margin_noise_sum += float(np.sum(change * change))
-                    self.margin_predictions += int(change.size)
+                    self._add_margins(ref64, test64)
             if self.cosine_mode == "rows":
                 self.cosine_sum += _cosine_of_sums(sample_dot, sample_ref, sample_test)
             elif self.cosine_mode == "global":
