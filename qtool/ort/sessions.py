@@ -14,7 +14,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -280,3 +280,45 @@ def as_declared(feed: Mapping[str, np.ndarray], session: onnxruntime.InferenceSe
         floating = isinstance(array, np.ndarray) and array.dtype in (np.float32, np.float16)
         converted[name] = array.astype(wanted) if wanted and floating else array
     return converted
+
+
+# Output values one comparison run may produce. A batch of 8 decoder windows of 512 tokens made
+# SmolLM2-135M's logits 200M values, and ORT's activations for the whole batch at once took its
+# quantize to 6.8 GB (10x the file); such a batch runs a few rows at a time instead.
+RUN_ELEMENTS = 1 << 24
+
+
+def feed_rows(feed: Mapping[str, np.ndarray], rows: slice) -> dict[str, np.ndarray]:
+    """Samples `rows` (the first axis) of every input of a batch's feed (views)."""
+    return {name: array[rows] for name, array in feed.items()}
+
+
+def runs_by_rows(
+    session: onnxruntime.InferenceSession,
+    names: list[str],
+    feed: Mapping[str, np.ndarray],
+    limit: int | None = None,
+) -> Iterator[tuple[slice, list[np.ndarray]]]:
+    """(rows, outputs) runs of `session` covering the batch `feed` (every input's first axis is
+    its samples): one run where the outputs of the whole batch stay under `limit` values
+    (RUN_ELEMENTS), else runs of as many rows as do. The first row's outputs tell the size of
+    one row's; a batch that fits, or a model whose inputs fix the batch dimension, runs whole,
+    exactly as it would without this."""
+    limit = RUN_ELEMENTS if limit is None else limit
+    total = len(next(iter(feed.values())))
+    # a model whose inputs fix their first dimension (an exported batch of 4) takes whole batches
+    fixed = any(
+        i.name in feed and i.shape and isinstance(i.shape[0], int) for i in session.get_inputs()
+    )
+    if fixed or total <= 1:
+        yield slice(0, total), session.run(names, as_declared(feed, session))
+        return
+    first = session.run(names, as_declared(feed_rows(feed, slice(0, 1)), session))
+    step = max(1, limit // max(sum(int(o.size) for o in first), 1))
+    if step >= total:
+        yield slice(0, total), session.run(names, as_declared(feed, session))
+        return
+    yield slice(0, 1), first
+    for start in range(1, total, step):
+        rows = slice(start, min(start + step, total))
+        yield rows, session.run(names, as_declared(feed_rows(feed, rows), session))

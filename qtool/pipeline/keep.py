@@ -31,7 +31,7 @@ from qtool.errors import DataError, ModelError
 from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.signal import SignalQuality, json_float
 from qtool.model import external_data
-from qtool.ort.sessions import as_declared, create_session, ort_reason
+from qtool.ort.sessions import as_declared, create_session, ort_reason, runs_by_rows
 from qtool.phases import phase
 from qtool.pipeline import planning
 from qtool.pipeline.build import BuildSettings, Built, build_quantized
@@ -170,20 +170,22 @@ def score_models(
     accuracies = {name: LabelAccuracy() for name in candidates}
     rows = 0
     for index, batch in enumerate(batches):
-        feed = dict(batch.inputs)
         try:
-            ref = reference.run([output], as_declared(feed, reference))[0]
-            # a candidate written with float_io: float_type declares FP16 inputs: fed so
-            tests = {
-                name: s.run([output], as_declared(feed, s))[0] for name, s in sessions.items()
-            }
+            # a large batch (an LLM's logits) runs a few rows at a time: runs_by_rows
+            for rows_run, (ref,) in runs_by_rows(reference, [output], batch.inputs):
+                part = batch.rows(rows_run.start, rows_run.stop)
+                feed = dict(part.inputs)
+                # a candidate written with float_io: float_type declares FP16 inputs: fed so
+                tests = {
+                    name: s.run([output], as_declared(feed, s))[0] for name, s in sessions.items()
+                }
+                for name, test in tests.items():
+                    qualities[name].update(ref, test)
+                    if part.labels is not None and np.ndim(test) >= 2:
+                        accuracies[name].update(test, part.labels)
         except Exception as exc:  # ORT raises private types for bad feeds
             raise DataError(f"tuning batch {index} failed: {ort_reason(exc)}") from None
         rows += len(batch)
-        for name, test in tests.items():
-            qualities[name].update(ref, test)
-            if batch.labels is not None and np.ndim(test) >= 2:
-                accuracies[name].update(test, batch.labels)
     if not rows:
         raise DataError("no tuning rows to compare the models on")
     if score.metric == "accuracy" and any(a.value() is None for a in accuracies.values()):

@@ -53,7 +53,13 @@ from onnx import TensorProto, numpy_helper
 
 from qtool.errors import DataError, ModelError
 from qtool.metrics.signal import SignalQuality
-from qtool.ort.sessions import as_declared, create_session, ort_reason
+from qtool.ort.sessions import (
+    as_declared,
+    create_session,
+    feed_rows,
+    ort_reason,
+    runs_by_rows,
+)
 from qtool.plan.ops import find_rule
 from qtool.plan.ops.registry import NO_FUSION, OrtFusion, float_weight_op_types
 from qtool.plan.ops.targets import ORT_CPU
@@ -676,13 +682,14 @@ def compare_fused_unfused(
     for index, feed in enumerate(feeds):
         try:
             feed = as_declared(feed, unfused)  # an FP16-input model (float_io: float_type)
-            reference = unfused.run(names, feed)
-            candidate = fused.run(names, feed)
+            # a large batch (an LLM's logits) runs a few rows at a time: runs_by_rows
+            for rows, reference in runs_by_rows(unfused, names, feed):
+                candidate = fused.run(names, feed_rows(feed, rows))
+                for name, ref, out in zip(names, reference, candidate, strict=True):
+                    quality[name].update(ref, out)
         except Exception as exc:  # ORT raises private types for bad feeds
             reason = ort_reason(exc)
             raise DataError(f"batch {index} cannot run the quantized model: {reason}") from exc
-        for name, ref, out in zip(names, reference, candidate, strict=True):
-            quality[name].update(ref, out)
         batches += 1
     if batches == 0:
         raise DataError("compare_fused_unfused needs at least one batch of inputs")
