@@ -127,9 +127,17 @@ def source_sha256(spec: ModelSpec, onnx_digest: hashlib._Hash | None = None) -> 
     return digest.hexdigest()
 
 
-def source_file_bytes(spec: ModelSpec, loaded: onnx.ModelProto) -> int:
+def source_file_bytes(
+    spec: ModelSpec, loaded: onnx.ModelProto, read_files: list[Path] | None = None
+) -> int:
     """The size of the model as the user gave it: the ONNX file and its external data, or for
-    a PyTorch source the model qtool exported (`loaded`, before preparation)."""
+    a PyTorch source the model qtool exported (`loaded`, before preparation).
+
+    `read_files`: the files load_model just read (the model file, then its external data),
+    measured on disk; listing them anew re-reads and re-parses an inline model (a second 1 GB
+    parse of Gemma 3 270M's file beside the loaded one)."""
+    if read_files:
+        return sum(f.stat().st_size for f in read_files)
     if spec.onnx is not None:
         return external_data.model_file_bytes(Path(spec.onnx))
     return loaded.ByteSize()
@@ -144,9 +152,7 @@ def load_prepared(
     read_files: list[Path] = []
     loaded = load_model(spec, inputs, onnx_digest, read_files)
     source = source_sha256(spec, onnx_digest)
-    # The files just read, measured on disk: listing them anew re-read and re-parsed an inline
-    # model (a second 1 GB parse of Gemma 3 270M's file beside the loaded one).
-    size = sum(f.stat().st_size for f in read_files) if read_files else loaded.ByteSize()
+    size = source_file_bytes(spec, loaded, read_files)
     return prepare_in_place(loaded, min_opset, str(spec.onnx or spec.pytorch)), source, size
 
 
