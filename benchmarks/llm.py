@@ -20,6 +20,9 @@ measured like every peer (wall and CPU seconds, peak RSS):
 * `qtool-int4-awq`: the same with AWQ (activation-aware input-channel scales);
 * `qtool-int4-gptq`: the same with GPTQ (activation order), no AWQ;
 * `qtool-int4`: the `int4-llm` preset: AWQ + scale estimation + GPTQ with activation order;
+* `qtool-int4-mixed`: the `int4-mixed-llm` preset: `int4-llm` with the 20% of the 4-bit
+  weights (by parameters) whose rounding costs the most output error per parameter kept at
+  8 bits (quantization.algorithms.int8_fallback, ranked on the calibration Hessians);
 * `qtool-auto`: `qtool quantize --auto` on the `int4-llm` preset, candidates int4 / int8 / float
   per MatMul, under a perplexity budget (`--auto-budget`, percent over FP32) measured on the
   *tuning* windows (another part of the calibration source than calibration's own windows).
@@ -124,6 +127,11 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
         False,
     ),
     "qtool-int4": ("qtool INT4 AWQ+SE+GPTQ (int4-llm)", {"base": "int4-llm"}, False),
+    "qtool-int4-mixed": (
+        "qtool INT4 + INT8 fallback (int4-mixed-llm)",
+        {"base": "int4-mixed-llm"},
+        False,
+    ),
     "qtool-auto": ("qtool --auto (int4-llm, perplexity budget)", {"base": "int4-llm"}, True),
 }
 

@@ -27,9 +27,10 @@ from qtool.errors import DataError
 from qtool.metrics.evaluate import evaluate_models
 from qtool.metrics.spec import EvaluationSpec
 from qtool.plan.node_settings import _matches
+from qtool.plan.settings import exact_pattern
 from qtool.search.plan_file import plan_overrides
 from qtool.search.scoring import choose_metric
-from qtool.search.variants import Assembler, exact_pattern
+from qtool.search.variants import Assembler
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NODES = ["/conv1/Conv", "/conv2/Conv", "/conv3/Conv", "/fc1/Gemm", "/fc2/Gemm"]

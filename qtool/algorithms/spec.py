@@ -20,6 +20,9 @@ BIAS_ABSORPTION_DEFAULT = False
 # - awq after smoothquant: both rescale input channels of the float model, awq those of the
 #   weight-only layers (smoothquant only touches layers with int8 activations), each re-planning
 #   the changed graph; both read the one calibration pass.
+# - int8_fallback after awq: it ranks the 4-bit layers by the output error of their rounding,
+#   which is the error of the weights AWQ has scaled, and re-plans the layers it keeps at 8 bits
+#   before scale estimation and GPTQ choose the 4-bit grids and roundings of the rest.
 # - scale_estimation and gptq when the weights are quantized: they choose each weight's blocks
 #   (scale estimation the grid of every block, GPTQ the rounding, on scale estimation's grids
 #   when both are on) against the layer's calibration Hessian, after AWQ has fixed the weights.
@@ -30,6 +33,7 @@ ALGORITHM_ORDER = (
     "cross_layer_equalization",
     "smoothquant",
     "awq",
+    "int8_fallback",
     "scale_estimation",
     "gptq",
     "adaround",
@@ -80,6 +84,15 @@ class AwqParams:
 
 
 @dataclass(frozen=True)
+class Int8FallbackParams:
+    """8-bit weights for the 4-bit layers whose rounding costs the most output error per
+    parameter (qtool/algorithms/int8_fallback.py): `ratio` is the share of the 4-bit weights,
+    by parameter count, that stay 4-bit (NNCF's `ratio`)."""
+
+    ratio: float = 0.8
+
+
+@dataclass(frozen=True)
 class ScaleEstimationParams:
     """Each 4-bit block's scale chosen against the layer's output error (the block's part of the
     calibration Hessian) rather than its own weights (qtool/write/scale_estimation.py): `steps`
@@ -121,6 +134,7 @@ AlgorithmParams = (
     CleParams
     | SmoothQuantParams
     | AwqParams
+    | Int8FallbackParams
     | ScaleEstimationParams
     | GptqParams
     | AdaRoundParams
@@ -132,6 +146,7 @@ ALGORITHM_PARAMS: dict[str, type] = {
     "cross_layer_equalization": CleParams,
     "smoothquant": SmoothQuantParams,
     "awq": AwqParams,
+    "int8_fallback": Int8FallbackParams,
     "scale_estimation": ScaleEstimationParams,
     "gptq": GptqParams,
     "adaround": AdaRoundParams,
@@ -147,6 +162,7 @@ class Algorithms:
     cross_layer_equalization: CleParams | None = None
     smoothquant: SmoothQuantParams | None = None
     awq: AwqParams | None = None
+    int8_fallback: Int8FallbackParams | None = None
     scale_estimation: ScaleEstimationParams | None = None
     gptq: GptqParams | None = None
     adaround: AdaRoundParams | None = None

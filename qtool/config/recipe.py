@@ -296,6 +296,12 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
             "sets the parameters of weight method gptq, but no weight uses it (set "
             "quantization.weights.method: gptq, or method gptq in an override)",
         )
+    if algorithms.int8_fallback is not None and not _uses_4bit(quantization):
+        raise reader.fail(
+            "quantization.algorithms.int8_fallback",
+            "keeps some 4-bit layers at 8 bits, but no weight is 4-bit (set "
+            "quantization.weights.bits: 4, or bits 4 in an override)",
+        )
     evaluation = None
     if "evaluation" in top:
         evaluation = _read_evaluation(reader, top["evaluation"], inputs)
@@ -333,6 +339,11 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
         tuning,
         float_model,
     )
+
+
+def _uses_4bit(quantization: QuantizationSpec) -> bool:
+    settings = [quantization.weights, *(o.weights for o in quantization.overrides)]
+    return any(s.bits == 4 for s in settings)
 
 
 def _uses_gptq(quantization: QuantizationSpec) -> bool:
@@ -830,6 +841,8 @@ def _read_algorithms(reader: _Reader, raw: Any) -> Algorithms:
             elif (name, key) == ("gptq", "act_order"):
                 params[key] = reader.boolean(value, f"{where}.{name}.{key}")
             elif (name, key) == ("gptq", "damp"):
+                params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.0, 1.0)
+            elif (name, key) == ("int8_fallback", "ratio"):
                 params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.0, 1.0)
             elif (name, key) == ("scale_estimation", "min_factor"):
                 params[key] = _read_fraction(reader, value, f"{where}.{name}.{key}", 0.05, 1.0)

@@ -14,7 +14,7 @@ whose ranges calibration measures.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ import onnx
 from qtool import kernels
 from qtool.algorithms.awq import apply_awq
 from qtool.algorithms.bias_correction import apply_bias_correction
+from qtool.algorithms.int8_fallback import apply_fallback
 from qtool.algorithms.smoothquant import apply_smoothquant
 from qtool.algorithms.spec import Algorithms, GptqParams
 from qtool.calibration.channels import channels_path, load_channels
@@ -38,7 +39,7 @@ from qtool.pipeline.param_cache import ParamCache
 from qtool.pipeline.statistics import Statistics
 from qtool.pipeline.tuning import TuningScore
 from qtool.plan.layout import Layout
-from qtool.plan.settings import QuantizationSpec
+from qtool.plan.settings import Override, QuantizationSpec
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.write.float_type import type_model
 from qtool.write.low_bit import LowBitOptions
@@ -75,8 +76,12 @@ class BuildSettings:
     def cpu(self) -> CpuFeatures:
         return resolve_cpu(self.quantization.cpu)
 
-    def replan(self, model: onnx.ModelProto) -> Layout:
-        return planning.plan(model, self.quantization, self.calibration.method, self.where)
+    def replan(self, model: onnx.ModelProto, extra: Sequence[Override] = ()) -> Layout:
+        """The plan stage on `model`, with `extra` overrides after the recipe's (they win)."""
+        spec = self.quantization
+        if extra:
+            spec = dataclasses.replace(spec, overrides=tuple(spec.overrides) + tuple(extra))
+        return planning.plan(model, spec, self.calibration.method, self.where)
 
 
 @dataclass
@@ -145,6 +150,14 @@ def build_quantized(
             scaled = apply_awq(model, layout, awq, hessians, settings.replan)
         model, layout, hessians = scaled.model, scaled.layout, scaled.hessians
         algorithms["awq"] = scaled.entry
+    fallback = settings.algorithms.int8_fallback
+    if fallback is not None:
+        with phase("INT8 fallback"):  # which 4-bit layers keep 8 bits, ranked on the Hessians
+            fell = apply_fallback(
+                model, layout, fallback, hessians, lambda extra: settings.replan(model, extra)
+            )
+        layout = fell.layout
+        algorithms["int8_fallback"] = fell.entry
     device = kernels.default_device()
     cpu = cpu if cpu is not None else settings.cpu()
     symmetric = spec.symmetric_activations

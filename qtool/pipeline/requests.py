@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import onnx
 
-from qtool.algorithms import awq, smoothquant
+from qtool.algorithms import awq, int8_fallback, smoothquant
 from qtool.algorithms.spec import Algorithms
 from qtool.calibration.requests import StatisticRequests, plan_requests
 from qtool.calibration.spec import CalibrationSpec
@@ -28,6 +28,8 @@ def requests_for(
         requests = requests | smoothquant.requests(model, layout, params)
     if algorithms.awq is not None:
         requests = requests | awq.requests(model, layout)
+    if algorithms.int8_fallback is not None:
+        requests = requests | int8_fallback.requests(model, layout)
     if algorithms.scale_estimation is not None:
         requests = requests | StatisticRequests(hessians=scale_search_inputs(layout))
     return requests

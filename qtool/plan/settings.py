@@ -217,3 +217,17 @@ class QuantizationSpec:
     def symmetric_activations(self) -> bool:
         """TensorRT wants symmetric int8; ORT's CPU provider fuses asymmetric uint8 only."""
         return self.target == "tensorrt"
+
+
+_GLOB_CHARS = "*?["
+
+
+def exact_pattern(name: str) -> str:
+    """A `nodes:` pattern that matches the node called `name` and no other.
+
+    Node names are matched as globs; a name holding glob characters gets each one bracketed
+    (`a[*]b` matches only 'a*b'), any other name is its own pattern (read as an exact name).
+    """
+    if not any(c in name for c in _GLOB_CHARS):
+        return name
+    return "".join(f"[{c}]" if c in _GLOB_CHARS else c for c in name)

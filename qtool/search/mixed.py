@@ -409,10 +409,16 @@ def search(
             "its data)"
         )
     float_model = prepared.model
+    float_model.hold_bytes()  # every plan's session and the scorer's float one read them
     if float_model.serialized is None:
         raise ModelError(
             f"{job.where}: mixed precision does not support models stored as external data "
             "(over 2 GB) yet"
+        )
+    if job.build.algorithms.int8_fallback is not None:
+        raise RecipeError(
+            f"{job.where}: quantization.algorithms.int8_fallback and mixed precision (--auto, "
+            "mixed_precision:) both choose which layers keep 8 bits: use one of them"
         )
     notes: list[str] = []
     explicit = spec.candidates is not None

@@ -17,8 +17,7 @@ import yaml
 
 from qtool.plan.node_settings import NodeSettings, resolve_node_settings
 from qtool.plan.plan import Plan
-from qtool.plan.settings import QuantizationSpec, WeightSettings
-from qtool.search.variants import exact_pattern
+from qtool.plan.settings import QuantizationSpec, WeightSettings, exact_pattern
 
 _FIELDS = ("bits", "granularity", "block_size", "method", "symmetric")
 _BITS = {"int4": 4, "int8": 8, "fp8": 8}

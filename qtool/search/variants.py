@@ -25,21 +25,9 @@ from qtool.pipeline.float_model import FloatModel
 from qtool.pipeline.param_cache import ParamCache
 from qtool.pipeline.statistics import Statistics
 from qtool.plan.layout import Layout
-from qtool.plan.settings import Override, QuantizationSpec, WeightSettings
+from qtool.plan.settings import Override, QuantizationSpec, WeightSettings, exact_pattern
 
-_GLOB_CHARS = "*?["
 _BITS = {"int4": 4, "int8": 8, "fp8": 8}
-
-
-def exact_pattern(name: str) -> str:
-    """A `nodes:` pattern that matches the node called `name` and no other.
-
-    Node names are matched as globs; a name holding glob characters gets each one bracketed
-    (`a[*]b` matches only 'a*b'), any other name is its own pattern (read as an exact name).
-    """
-    if not any(c in name for c in _GLOB_CHARS):
-        return name
-    return "".join(f"[{c}]" if c in _GLOB_CHARS else c for c in name)
 
 
 def pin(names: str | Sequence[str], precision: str, where: str) -> Override:
