@@ -3,7 +3,9 @@ quantized from its staged file one weight at a time, and no float copy of it sta
 folder unless the recipe asks (`output.float_model`).
 
 Like tests/test_external_data.py, these lower EXTERNAL_DATA_THRESHOLD so that a ~200 KB model
-takes the over-2-GB path; the memory it saves is measured by benchmarks/llm_memory.py, not here.
+takes the over-2-GB path (or STAGE_WEIGHTS_THRESHOLD: the path of a 256 MB-2 GB model, staged
+for memory but written as usual); the memory it saves is measured by benchmarks/llm_memory.py,
+not here.
 """
 
 from __future__ import annotations
@@ -214,8 +216,8 @@ def test_int4_signed_scales_in_chunks_give_the_same_weights(monkeypatch):
 
 
 def test_speed_check_skips_a_float_model_over_the_limit(low_limit, cli, tmp_path, monkeypatch):
-    """The FP32 speed session of a float model over 2 GB would hold it again: not run, and
-    report.json and the command's output say so."""
+    """The FP32 speed session of a float model over the limit (512 MB) would hold it again: not
+    run, and report.json and the command's output say so."""
     from qtool.pipeline import finish
 
     recipe, _ = write_case(tmp_path, mlp(), float_model="auto")
@@ -227,4 +229,100 @@ def test_speed_check_skips_a_float_model_over_the_limit(low_limit, cli, tmp_path
     assert result.exit_code == 0, result.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["runtime"]["low_bit_speed"] == {"not_measured": finish.SPEED_NOT_MEASURED}
-    assert "not measured: the float model is over 2 GB" in result.stdout
+    assert "not measured: the float model is over 512 MB" in result.stdout
+
+
+def test_speed_check_skips_an_inline_float_model_over_the_limit(cli, tmp_path, monkeypatch):
+    """The rule reads the float model's size, not how it is stored: a model held in memory
+    (under protobuf's limit) over SPEED_CHECK_MAX_BYTES is not timed either, and one under it
+    is."""
+    from qtool.pipeline import finish
+
+    recipe, _ = write_case(tmp_path, mlp(), float_model="auto")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["quantization"] = {"weights": {"bits": 4, "block_size": 32}}
+    recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
+    monkeypatch.setattr(finish, "SPEED_CHECK_MAX_BYTES", 1024)
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["runtime"]["low_bit_speed"] == {"not_measured": finish.SPEED_NOT_MEASURED}
+    monkeypatch.setattr(finish, "SPEED_CHECK_MAX_BYTES", 1 << 40)
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["runtime"]["low_bit_speed"]["speedup"] > 0
+
+
+@pytest.fixture
+def low_staging(monkeypatch):
+    """A ~340 KB float model is 'large' (staged, read weight by weight) while protobuf's limit
+    stays where it is: the path of a 256 MB-2 GB model."""
+    monkeypatch.setattr(external_data, "STAGE_WEIGHTS_THRESHOLD", LIMIT)
+
+
+def _content(path: Path) -> bytes:
+    """The model's bytes without qtool's provenance metadata (it names the float model's
+    fingerprint, which is the staged files' hash on one path and the file's on the other)."""
+    model = onnx.load(str(path))
+    kept = [p for p in model.metadata_props if not p.key.startswith("qtool.")]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    return model.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
+    bits, cli, tmp_path, monkeypatch
+):
+    """Staged for its size, not for protobuf's limit: quantize reads its weights from the
+    staged file, writes the same quantized model as one file (no .data beside it), keeps the
+    float copy under `output.float_model: auto` (as the model and its data file), and
+    calibrate, quantize --stats, evaluate and the search agree on its fingerprint."""
+    contents = {}
+    for staged in (False, True):
+        folder = tmp_path / ("staged" if staged else "memory")
+        folder.mkdir()
+        if staged:
+            monkeypatch.setattr(external_data, "STAGE_WEIGHTS_THRESHOLD", LIMIT)
+        recipe, _ = write_case(folder, mlp(), float_model="auto")
+        if bits == 4:
+            spec = yaml.safe_load(recipe.read_text())
+            spec["quantization"] = {"weights": {"bits": 4, "block_size": 32}}
+            recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
+        calibrated = cli("calibrate", recipe, "--no-progress")
+        assert calibrated.exit_code == 0, calibrated.stderr
+        result = cli("quantize", recipe, "--no-progress", "--stats", str(folder / "out/stats.npz"))
+        assert result.exit_code == 0, result.stderr
+        out = folder / "out"
+        (written,) = out.glob("model.int*.onnx")
+        assert not list(out.glob("model.int*.onnx.data"))
+        assert (out / "model.fp32.onnx.data").exists() == staged
+        report = json.loads((out / "report.json").read_text())
+        assert report["files"]["float_model"] == str(out / "model.fp32.onnx")
+        contents[staged] = _content(written)
+        evaluated = cli("evaluate", recipe, "--no-progress", "--latency-runs", "1")
+        assert evaluated.exit_code == 0, evaluated.stderr
+        assert_no_temporaries(out)
+    assert contents[True] == contents[False]
+
+
+def test_the_search_holds_a_staged_model_under_the_limit_as_bytes(low_staging, cli, tmp_path):
+    """`--auto` hands the float model to many sessions as bytes: a model staged for its size
+    is read back and searched; only one over protobuf's limit is refused."""
+    recipe, _ = write_case(tmp_path, mlp(), float_model="auto")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["evaluation"]["min_cosine"] = 0.9
+    spec["mixed_precision"] = {"samples": 16, "max_iterations": 2}
+    recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
+    calibrated = cli("calibrate", recipe, "--no-progress")  # its stats serve the search
+    assert calibrated.exit_code == 0, calibrated.stderr
+    analyzed = cli("analyze", recipe, "--no-progress", "--samples", "8", "--mode", "one-at-a-time")
+    assert analyzed.exit_code == 0, analyzed.stderr
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out"
+    assert (out / "plan.yaml").is_file() and (out / "model.fp32.onnx.data").is_file()
+    evaluated = cli("evaluate", recipe, "--no-progress", "--latency-runs", "1")
+    assert evaluated.exit_code == 0, evaluated.stderr  # the float model it names is its own
+    assert_no_temporaries(out)

@@ -27,7 +27,8 @@ def prepare(recipe: Recipe, lazy_weights: bool = False) -> Prepared:
         recipe.algorithms.cross_layer_equalization,
         lazy_weights,
     )
-    prepared.model.commit_staged = recipe.float_model == "always"
+    model = prepared.model
+    model.commit_staged = recipe.float_model == "always" or not model.over_limit
     return prepared
 
 

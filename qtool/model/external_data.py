@@ -53,6 +53,8 @@ __all__ = [
     "tensor_array",
     "model_sha256",
     "needs_external_data",
+    "read_lazy_weights",
+    "stages_weights",
     "save_model",
     "stage_model",
     "weightless_copy",
@@ -64,6 +66,11 @@ PROTOBUF_LIMIT = 2**31 - 1
 # Tensor data at or above this goes to a data file: the limit less room for the graph itself
 # (nodes, names, shapes: megabytes even for the largest exporter graphs). Tests lower it.
 EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - (128 << 20)
+# A float model with this much tensor data or more is staged as external data too, though one
+# protobuf could hold it: its weights then stay in the staged file (lazy) while `quantize`
+# reads them one at a time, instead of a parsed proto plus its bytes in memory (Gemma 3 270M,
+# 1.08 GB, weight-only int8: build peak 5.1 GB in memory, 3.0 GB staged). Tests lower it.
+STAGE_WEIGHTS_THRESHOLD = 256 << 20
 # Initializers of at least this many bytes go to the data file (onnx.save's default threshold);
 # smaller ones (scales, zero points, shape vectors) stay inline where passes read them.
 MIN_EXTERNAL_BYTES = 1024
@@ -155,6 +162,24 @@ def needs_external_data(model: onnx.ModelProto) -> bool:
     """True when `model` must not be serialized into one protobuf (read at call time, so tests
     can lower EXTERNAL_DATA_THRESHOLD)."""
     return data_nbytes(model) >= EXTERNAL_DATA_THRESHOLD
+
+
+def stages_weights(model: onnx.ModelProto) -> bool:
+    """True when the float model `model` is staged as external data: over protobuf's limit, or
+    large enough that holding it parsed and serialized costs more than reading its weights
+    from the staged file (STAGE_WEIGHTS_THRESHOLD)."""
+    return data_nbytes(model) >= min(STAGE_WEIGHTS_THRESHOLD, EXTERNAL_DATA_THRESHOLD)
+
+
+def read_lazy_weights(model: onnx.ModelProto) -> None:
+    """Read every lazy weight of `model` into the proto, in place (a model that one protobuf
+    holds, written as one file)."""
+    for tensor in _graph_tensors(model.graph):
+        if lazy_file(tensor) is not None:
+            data = _read_lazy(tensor)
+            del tensor.external_data[:]
+            tensor.data_location = TensorProto.DEFAULT
+            tensor.raw_data = data
 
 
 # Writing

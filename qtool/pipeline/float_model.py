@@ -43,9 +43,14 @@ class FloatModel:
     # A staged model held with lazy weights (external_data.lazy_file): every large initializer
     # read from the staged file when a stage needs it (the weight being quantized), none held.
     lazy: bool = False
-    # Whether a staged model's files are outputs of the command (`output.float_model: always`);
-    # else they are temporary, removed by `discard` (no 2 GB float copy left in the folder).
+    # Whether a staged model's files are outputs of the command (`output.float_model: always`,
+    # or `auto` under protobuf's limit); else they are temporary, removed by `discard` (no 2 GB
+    # float copy left in the folder).
     commit_staged: bool = True
+    # Over protobuf's limit (then staged whatever its use); a model under it may be staged too
+    # (external_data.STAGE_WEIGHTS_THRESHOLD), and still be held as one protobuf when a stage
+    # needs its bytes (`hold_bytes`).
+    over_limit: bool = False
 
     def materialize(self) -> None:
         """Read a lazy model's weights in: for the stages that rewrite or read the whole float
@@ -54,6 +59,16 @@ class FloatModel:
             self.model = None  # dropped before the read: never held twice
             self.model = self.staged.load()
             self.lazy = False
+
+    def hold_bytes(self) -> None:
+        """Hold the float model as one serialized protobuf (read in first when lazy), for the
+        stages that hand it to ONNX Runtime sessions many times (the search, analyze). A model
+        over protobuf's limit has no such form: `serialized` stays None."""
+        if self.serialized is None and not self.over_limit:
+            self.materialize()
+            if self.model is None and self.staged is not None:
+                self.model = self.staged.load()
+            self.serialized = self.model.SerializeToString()
 
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
         """The float model file(s) to commit at `path` (the path given to `freeze`); none for a
@@ -176,15 +191,24 @@ def freeze(
     A staged model comes back lazy (its weights stay in the staged file): the caller still holds
     `model` during this call, so reading the weights back here would hold them twice; a caller
     that needs them calls `materialize` once it has dropped `model`."""
-    if external_data.needs_external_data(model):
-        # Over protobuf's limit: staged as external data beside model.fp32.onnx (hashed while it
-        # is written); read back from there (lazily) for the reason the small path re-parses.
+    if external_data.stages_weights(model):
+        # Over protobuf's limit, or large (STAGE_WEIGHTS_THRESHOLD): staged as external data
+        # beside model.fp32.onnx (hashed while it is written); read back from there (lazily)
+        # for the reason the small path re-parses.
+        over_limit = external_data.needs_external_data(model)
         with phase("writing the float model (external data)"):
             staged = external_data.stage_model(model, float_path)
             del model
             lazy = staged.lazy()
         return FloatModel(
-            lazy, None, staged.sha256, source, staged, lazy=True, source_bytes=source_bytes
+            lazy,
+            None,
+            staged.sha256,
+            source,
+            staged,
+            lazy=True,
+            source_bytes=source_bytes,
+            over_limit=over_limit,
         )
     serialized = model.SerializeToString()
     fingerprint = hashlib.sha256(serialized).hexdigest()

@@ -215,6 +215,23 @@ def calibrate_for(prepared: Prepared, job: Job, layouts: Sequence[Layout], progr
         prepared.model.model, union, job.build.algorithms, job.build.calibration, job.where
     )
     model = prepared.model
+    if model.staged is not None:
+        # Staged for its size (under protobuf's limit, its bytes held): the staged files stay
+        # for the command that writes the float model, which commits or removes them; the
+        # stats files are committed now.
+        run = collect_statistics(
+            model,
+            requests,
+            job.build.data,
+            job.build.calibration.bins,
+            job.outputs,
+            job.where,
+            progress,
+            reload=True,
+        )
+        staged = set(model.float_files(job.outputs.float_model))
+        commit_files({path: data for path, data in run.files.items() if path not in staged})
+        return
     try:
         run = collect_statistics(
             model,
@@ -330,7 +347,8 @@ def analyze(
     `on_variant(id, measurement)` is called after each variant measured in this run.
     """
     check_request(job, samples, metric)
-    if prepared.model.staged is not None:  # the scorer's float session needs the model's bytes
+    prepared.model.hold_bytes()  # the scorer's float session needs the model's bytes
+    if prepared.model.serialized is None:
         raise ModelError(
             f"{job.where}: sensitivity analysis does not support models stored as external data "
             "(over 2 GB) yet"
