@@ -175,12 +175,15 @@ def peer_python(peer: Peer, root: Path, timeout: float) -> Path:
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of a live process (VmRSS), 0 once it is gone or unreadable."""
+    """Peak resident memory of a live process since its exec (VmHWM), 0 once it is gone.
+
+    The high-water mark rather than the current VmRSS: a sample taken after a short peak still
+    sees it, so polling misses nothing but a peak in the last interval before exit."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
-    line = next((ln for ln in status.splitlines() if ln.startswith("VmRSS:")), None)
+    line = next((ln for ln in status.splitlines() if ln.startswith("VmHWM:")), None)
     return int(line.split()[1]) * 1024 if line else 0
 
 
@@ -192,6 +195,7 @@ def wait_capped(
     more address space than they touch, so an address-space limit would fail healthy runs."""
     deadline = time.monotonic() + timeout
     peak = 0
+    interval = min(poll, 0.005)  # fast at first: a quick runner (0.2 s) still gets sampled
     while process.poll() is None:
         peak = max(peak, rss_bytes(process.pid))
         if peak > max_rss:
@@ -204,7 +208,8 @@ def wait_capped(
             process.kill()
             process.wait()
             raise RuntimeError(f"timed out after {timeout:.0f} s")
-        time.sleep(poll)
+        time.sleep(interval)
+        interval = min(poll, interval * 1.5)
     return peak
 
 

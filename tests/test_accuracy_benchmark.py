@@ -77,6 +77,14 @@ def test_a_peer_within_the_cap_reports_its_peak():
     assert process.returncode == 0 and peak > 40 * 2**20
 
 
+def test_a_short_peak_between_samples_is_still_reported():
+    """The sampler reads the high-water mark: a 200 MB peak freed long before the next sample."""
+    brief = "import time; time.sleep(1.2); x = b'1' * (200 * 2**20); del x; time.sleep(1.5)"
+    process = subprocess.Popen([sys.executable, "-c", brief])
+    peak = peers.wait_capped(process, timeout=60, max_rss=2**34, poll=1.0)
+    assert process.returncode == 0 and peak > 180 * 2**20
+
+
 def _run(method: str, quantizer: str, algorithms: list[str], **extra) -> dict:
     scores = {
         v: {"accuracy": None, "agreement": 0.9, "cosine": 0.99735, "sqnr_db": 22.8}
