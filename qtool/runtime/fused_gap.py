@@ -44,3 +44,22 @@ def kernel_advice(cpu: CpuFeatures) -> str:
         "quantize with `quantization.cpu` set to the deployment CPU, and judge the fused model "
         "(what deploys; `qtool evaluate`'s gates do), not the QDQ semantics"
     )
+
+
+def int8_compute_cause(nodes: int) -> str:
+    """The cause for a weight-only model (no activation Q/DQ) whose fused outputs still differ:
+    MatMulNBits at accuracy_level 4 quantizes its inputs to int8 per block inside the kernel,
+    which the QDQ graph (float activations) never does."""
+    return (
+        f"the model quantizes weights only, but {nodes} MatMulNBits node(s) compute at "
+        "accuracy_level 4: ORT quantizes their float inputs to int8 per block inside the kernel"
+    )
+
+
+def int8_compute_advice() -> str:
+    """What to try when int8 compute inside MatMulNBits is the fused model's extra error."""
+    return (
+        "judge the fused model (what deploys; `qtool evaluate`'s gates do); "
+        "`quantization.accuracy_level: 1` writes fp32-compute MatMulNBits (exact to the QDQ "
+        "semantics, slower)"
+    )
