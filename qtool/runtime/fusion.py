@@ -687,6 +687,9 @@ def compare_fused_unfused(
                 candidate = fused.run(names, feed_rows(feed, rows))
                 for name, ref, out in zip(names, reference, candidate, strict=True):
                     quality[name].update(ref, out)
+                # Not alive through the next batch's runs: an LLM's two logits arrays are 1.1 GB
+                # (Gemma 3, 512 tokens), which the unfused run's own peak came on top of.
+                del reference, candidate, ref, out
         except Exception as exc:  # ORT raises private types for bad feeds
             reason = ort_reason(exc)
             raise DataError(f"batch {index} cannot run the quantized model: {reason}") from exc
