@@ -1,6 +1,7 @@
 """INT8 fallback (quantization.algorithms.int8_fallback): the 4-bit layers whose rounding costs
-the most output error per parameter keep 8-bit weights, within the share the recipe sets; the
-ranking is the exact output error from the calibration Hessian; the plan and report say which.
+the most output noise (relative to the layer's output) per parameter keep 8-bit weights, within
+the share the recipe sets; the ranking is the exact output error and energy from the calibration
+Hessian; the plan and report say which.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ SPEC = QuantizationSpec(
 )
 
 
-def _model(path: Path, widths: dict[str, int]) -> onnx.ModelProto:
-    """Independent MatMuls `name`: input `x_name` [b, K] times a random [K, width] weight."""
+def _model(path: Path, widths: dict[str, int], heavy: str | None = None) -> onnx.ModelProto:
+    """Independent MatMuls `name`: input `x_name` [b, K] times a random [K, width] weight. The
+    weight of `heavy` has one entry in every 16 rows 12x larger: each 4-bit block of 16 along K
+    holds an outlier that sets its step (the weights 4 bits serve worst)."""
     rng = np.random.default_rng(0)
     nodes, inputs, outputs, weights = [], [], [], []
     for name, width in widths.items():
@@ -39,6 +42,8 @@ def _model(path: Path, widths: dict[str, int]) -> onnx.ModelProto:
         inputs.append(helper.make_tensor_value_info(f"x_{name}", TensorProto.FLOAT, ["b", K]))
         outputs.append(helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, ["b", width]))
         w = rng.normal(size=(K, width)).astype(np.float32)
+        if name == heavy:
+            w[::16, :] *= 12.0
         weights.append(numpy_helper.from_array(w, f"w_{name}"))
     graph = helper.make_graph(nodes, "g", inputs, outputs, weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
@@ -52,14 +57,13 @@ def _hessian(x: np.ndarray, name: str) -> HessianAccumulator:
     return acc
 
 
-def _hessians(names, outliers: str | None = None) -> dict[str, HessianAccumulator]:
-    """Alike inputs for every layer; `outliers`' input has three channels 30x larger (the
-    shape of an MLP down projection's input in a decoder)."""
+def _hessians(names, scaled: str | None = None) -> dict[str, HessianAccumulator]:
+    """Alike inputs for every layer; `scaled`'s input is 30x larger throughout."""
     found = {}
     for i, name in enumerate(names):
         x = np.random.default_rng(10 + i).normal(size=(ROWS, K)).astype(np.float32)
-        if name == outliers:
-            x[:, [3, 17, 40]] *= 30.0
+        if name == scaled:
+            x *= 30.0
         found[f"x_{name}"] = _hessian(x, f"x_{name}")
     return found
 
@@ -68,26 +72,40 @@ def _plan(model):
     return planning.plan(model, SPEC, "minmax", "test")
 
 
-def test_the_layer_whose_input_has_outlier_channels_ranks_first(tmp_path):
-    model = _model(tmp_path / "m.onnx", {"a": N, "b": N, "c": N})
-    hessians = _hessians("abc", outliers="b")
+def test_the_layer_whose_weights_4_bits_serve_worst_ranks_first(tmp_path):
+    model = _model(tmp_path / "m.onnx", {"a": N, "b": N, "c": N}, heavy="b")
+    hessians = _hessians("abc")
     ranked = int8_fallback.rank_layers(model, _plan(model), hessians)
     assert [r.node for r in ranked][0] == "b"
-    # the error is the exact output error of round-to-nearest on the plan's grid
+    # the errors are the exact output errors of round-to-nearest on the plan's grid, and the
+    # signal the output's energy, over the tokens the Hessian holds
     w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w_b"))
     approx = dequantize(quantize_blockwise(w, block_size=16, symmetric=False))
     d = (w - approx).astype(np.float64)
-    expected = float(np.sum(d * (hessians["x_b"].xtx @ d)))
+    h = hessians["x_b"].xtx
     b = ranked[0]
-    assert b.error_int4 == pytest.approx(expected, rel=1e-4)
+    assert b.error_int4 == pytest.approx(float(np.sum(d * (h @ d))), rel=1e-4)
+    assert b.signal == pytest.approx(float(np.sum(w * (h @ w))), rel=1e-4)
     assert 0 < b.error_int8 < b.error_int4 / 20  # 8 bits per channel: far finer than 4 in blocks
     assert b.params == K * N
+    assert b.gain_per_param == pytest.approx((b.error_int4 - b.error_int8) / b.signal / b.params)
+
+
+def test_an_input_larger_throughout_does_not_change_a_layers_case(tmp_path):
+    """Relative error: a layer whose input is 30x larger has 900x the output error and 900x the
+    output, so the same case for 8 bits (an absolute error would rank it first)."""
+    model = _model(tmp_path / "m.onnx", {"a": N, "b": N})
+    plain = {r.node: r for r in int8_fallback.rank_layers(model, _plan(model), _hessians("ab"))}
+    louder = int8_fallback.rank_layers(model, _plan(model), _hessians("ab", scaled="b"))
+    loud = {r.node: r for r in louder}
+    assert loud["b"].error_int4 == pytest.approx(900 * plain["b"].error_int4, rel=1e-3)
+    assert loud["b"].gain_per_param == pytest.approx(plain["b"].gain_per_param, rel=1e-3)
 
 
 def test_the_fallback_replans_the_chosen_layers_at_8_bits_and_reports_them(tmp_path):
-    model = _model(tmp_path / "m.onnx", {"a": N, "b": N, "c": N, "d": N})
+    model = _model(tmp_path / "m.onnx", {"a": N, "b": N, "c": N, "d": N}, heavy="c")
     layout = _plan(model)
-    hessians = _hessians("abcd", outliers="c")
+    hessians = _hessians("abcd")
 
     def replan(extra):
         return planning.plan(
@@ -115,7 +133,7 @@ def test_the_fallback_replans_the_chosen_layers_at_8_bits_and_reports_them(tmp_p
 
 def test_the_share_kept_at_4_bits_is_at_least_the_ratio():
     def layer(node, params, gain):
-        return int8_fallback.Ranked(node, "x", params, gain * params + 1.0, 1.0)
+        return int8_fallback.Ranked(node, "x", params, gain * params + 1.0, 1.0, 1.0)
 
     # ranked best first; the big second layer does not fit the allowance, the third does
     ranked = [layer("a", 100, 9.0), layer("big", 500, 8.0), layer("c", 100, 7.0)]
@@ -125,7 +143,7 @@ def test_the_share_kept_at_4_bits_is_at_least_the_ratio():
     assert int8_fallback.choose(ranked, 1.0) == []
     assert len(int8_fallback.choose(ranked, 0.0)) == len(ranked)
     # a layer that 4 bits already hold exactly gains nothing and never falls back
-    exact = [int8_fallback.Ranked("z", "x", 10, 0.0, 0.0)]
+    exact = [int8_fallback.Ranked("z", "x", 10, 0.0, 0.0, 1.0)]
     assert int8_fallback.choose(exact, 0.0) == []
 
 
