@@ -171,6 +171,15 @@ def stages_weights(model: onnx.ModelProto) -> bool:
     return data_nbytes(model) >= min(STAGE_WEIGHTS_THRESHOLD, EXTERNAL_DATA_THRESHOLD)
 
 
+def clear_default_locations(model: onnx.ModelProto) -> None:
+    """Drop the `data_location: DEFAULT` onnx's external-data loader leaves on every tensor it
+    read in: the field's default, but written out it makes the same model other bytes than
+    one that was inline all along (staged or not, a model's bytes must not depend on it)."""
+    for tensor in _graph_tensors(model.graph):
+        if tensor.HasField("data_location") and tensor.data_location == TensorProto.DEFAULT:
+            tensor.ClearField("data_location")
+
+
 def read_lazy_weights(model: onnx.ModelProto) -> None:
     """Read every lazy weight of `model` into the proto, in place (a model that one protobuf
     holds, written as one file)."""
@@ -178,7 +187,8 @@ def read_lazy_weights(model: onnx.ModelProto) -> None:
         if lazy_file(tensor) is not None:
             data = _read_lazy(tensor)
             del tensor.external_data[:]
-            tensor.data_location = TensorProto.DEFAULT
+            # cleared, not set to DEFAULT: the bytes of an inline tensor as any writer has them
+            tensor.ClearField("data_location")
             tensor.raw_data = data
 
 

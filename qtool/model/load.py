@@ -133,7 +133,7 @@ def load_onnx(
     `digest` is updated with the file's bytes, then with each external data file in
     first-reference order: provenance.sha256_model's definition, computed from the one read
     (hashing the file afterwards re-read and re-parsed it: 0.2 CPU s on a 90 MB encoder)."""
-    from qtool.model.external_data import external_files, hash_files
+    from qtool.model.external_data import clear_default_locations, external_files, hash_files
 
     try:
         content = path.read_bytes()
@@ -161,6 +161,7 @@ def load_onnx(
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # a location outside the folder, a file shorter than an offset
         raise ModelError(f"{path}: cannot read its external data ({first_line(exc)})") from None
+    clear_default_locations(model)
     check_initializers(model, str(path))
     return model
 
