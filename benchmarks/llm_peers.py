@@ -11,6 +11,9 @@ Rows (ROWS; `--rows` picks some):
 * `ort-hqq`: MatMulNBitsQuantizer with HQQWeightOnlyQuantConfig, 4-bit, block 32.
 * `nncf-int4-sym`, `nncf-int4-asym`, `nncf-int8`: nncf.compress_weights in NNCF's own venv
   (benchmarks/peer_runners/run_nncf_wc.py; the venv is benchmarks/peers.py's `nncf` one).
+* `nncf-int4-awq`: NNCF's data-aware 4-bit: AWQ and scale estimation on the windows qtool
+  calibrates on, ratio 0.8 (the rest INT8 per channel), ranked by NNCF's own sensitivity metric:
+  the peer of qtool's `int4-mixed-llm`.
 
 Every quantizer runs in its own process through benchmarks/_measure.run_measured: wall seconds,
 CPU seconds (user + system, its threads and children) and peak RSS (the kernel's ru_maxrss of
@@ -164,11 +167,19 @@ def _ort_command(tool: str) -> Callable[[RowContext], list[str]]:
     return command
 
 
-def _nncf_command(mode: str) -> Callable[[RowContext], list[str]]:
+def _nncf_command(mode: str, data_aware: bool = False) -> Callable[[RowContext], list[str]]:
     def command(ctx: RowContext) -> list[str]:
         from benchmarks.peers import PEERS, peer_python  # lazy: imports qtool and rich
 
         python = peer_python(PEERS["nncf"], ctx.args.peer_root, ctx.args.install_timeout)
+        data = []
+        if data_aware:  # the windows qtool calibrates on, as the decoder's inputs
+            from benchmarks.llm import decoder_npz  # lazy: benchmarks.llm imports this module
+
+            with np.load(ctx.calibration) as found:
+                windows = found["windows"][: ctx.args.qtool_calibration]
+            npz = decoder_npz(windows, ctx.info, ctx.folder / "calibration.npz")
+            data = ["--data", str(npz), "--ratio", str(NNCF_RATIO)]
         return [
             str(python),
             str(RUNNERS / "run_nncf_wc.py"),
@@ -182,10 +193,15 @@ def _nncf_command(mode: str) -> Callable[[RowContext], list[str]]:
             str(BLOCK),
             "--result",
             str(ctx.folder / "runner.json"),
+            *data,
         ]
 
     return command
 
+
+# NNCF's data-aware row: the share of the 4-bit layers kept at 4 bits (the rest INT8_ASYM per
+# channel, its backup mode), as qtool's `int4-mixed-llm` keeps 0.8 of its 4-bit weights.
+NNCF_RATIO = 0.8
 
 ROWS: dict[str, Row] = {}
 
@@ -264,6 +280,14 @@ for _row in (
         "nncf",
         {"mode": "INT4_ASYM", "group": BLOCK},
         _nncf_command("int4_asym"),
+        "runner.json",
+    ),
+    Row(
+        "nncf-int4-awq",
+        "NNCF INT4 asym, data-aware (AWQ + scale estimation, ratio 0.8)",
+        "nncf",
+        {"mode": "INT4_ASYM", "group": BLOCK, "ratio": NNCF_RATIO, "awq": True, "se": True},
+        _nncf_command("int4_asym", data_aware=True),
         "runner.json",
     ),
     Row(

@@ -1,8 +1,11 @@
 """NNCF's weight compression (`nncf.compress_weights`) on an ONNX decoder, run in NNCF's own venv
 (benchmarks/.peers/nncf/venv, the one benchmarks/peers.py installs: nncf, onnx, onnxruntime).
 
-Data-free: weights only, NNCF's defaults except the mode and, for the 4-bit modes, the group size
-(32, the block size of the ONNX Runtime rows it is compared with). NNCF's default for 4-bit keeps
+Data-free by default: weights only, NNCF's defaults except the mode and, for the 4-bit modes, the
+group size (32, the block size of the ONNX Runtime rows it is compared with). With `--data` (the
+calibration windows qtool uses) and `--ratio`: data-aware, AWQ and scale estimation on, the
+given share of the 4-bit layers at 4 bits (the rest at NNCF's backup INT8_ASYM), ranked by
+NNCF's default data-aware sensitivity metric. NNCF's default for 4-bit keeps
 the embedding and the last layer at its backup precision (INT8_ASYM, per channel); `--all-layers`
 changes that.
 
@@ -50,7 +53,27 @@ def transposed_weight_matmuls(model) -> list[str]:
     ]
 
 
-def compress(model_path: Path, out: Path, mode: str, group_size: int, all_layers: bool) -> dict:
+def dataset(path: Path, inputs: set[str]):
+    """nncf.Dataset of one feed per calibration window ([1, length] each, the decoder's inputs
+    as the npz holds them for n windows; its other arrays, such as the labels, are left out)."""
+    import nncf
+    import numpy as np
+
+    with np.load(path) as data:
+        arrays = {name: data[name] for name in data.files if name in inputs}
+    count = len(next(iter(arrays.values())))
+    return nncf.Dataset([{k: v[i : i + 1] for k, v in arrays.items()} for i in range(count)])
+
+
+def compress(
+    model_path: Path,
+    out: Path,
+    mode: str,
+    group_size: int,
+    all_layers: bool,
+    data: Path | None = None,
+    ratio: float = 1.0,
+) -> dict:
     import nncf
     import onnx
 
@@ -60,7 +83,10 @@ def compress(model_path: Path, out: Path, mode: str, group_size: int, all_layers
     if transposed:
         options["ignored_scope"] = nncf.IgnoredScope(names=transposed)
     if mode.startswith("int4"):
-        options.update(group_size=group_size, ratio=1.0, all_layers=all_layers)
+        options.update(group_size=group_size, ratio=ratio, all_layers=all_layers)
+    if data is not None:  # data-aware: NNCF's best 4-bit recipe for LLMs
+        inputs = {i.name for i in model.graph.input}
+        options.update(dataset=dataset(data, inputs), awq=True, scale_estimation=True)
     compressed = nncf.compress_weights(model, **options)
     onnx.save(compressed, str(out))
     settings = {
@@ -69,10 +95,18 @@ def compress(model_path: Path, out: Path, mode: str, group_size: int, all_layers
         "ignored_scope": transposed,
         "ignored_because": "weight is Transpose(initializer) (tied lm_head); NNCF 3.4 fails on it",
     }
+    if data is not None:
+        settings.update(
+            api="nncf.compress_weights (ONNX backend, data-aware)",
+            dataset=f"{data.name}: the windows qtool calibrates on",
+            awq=True,
+            scale_estimation=True,
+            sensitivity_metric="NNCF default for data-aware (hessian input activation)",
+        )
     if mode.startswith("int4"):
         settings.update(
             group_size=group_size,
-            ratio=1.0,
+            ratio=ratio,
             all_layers=all_layers,
             backup_mode="INT8_ASYM (NNCF default: embedding and last layer)",
         )
@@ -88,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--all-layers", action="store_true")
+    p.add_argument("--data", type=Path, help="calibration feeds (.npz): data-aware AWQ + SE")
+    p.add_argument("--ratio", type=float, default=1.0, help="4-bit share (rest: backup mode)")
     p.add_argument("--result", type=Path, required=True)
     args = p.parse_args(argv)
     packages = ("nncf", "onnx", "onnxruntime", "numpy")
@@ -99,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result["settings"] = compress(
-            args.model, args.out, args.mode, args.group_size, args.all_layers
+            args.model,
+            args.out,
+            args.mode,
+            args.group_size,
+            args.all_layers,
+            args.data,
+            args.ratio,
         )
         if not args.out.is_file():
             raise RuntimeError(f"nncf returned but wrote no model at {args.out}")
