@@ -155,32 +155,13 @@ def _inputs(info: dict, window: int) -> dict:
     return inputs
 
 
-def decoder_npz(windows: np.ndarray, info: dict, path: Path) -> Path:
-    """Token windows [n, length] as qtool's npz data: every decoder input (empty pasts) and
-    `labels` (the next token; -100 where none), so perplexity can be scored on it."""
-    n, length = windows.shape
-    arrays: dict[str, np.ndarray] = {
-        "input_ids": windows.astype(np.int64),
-        "attention_mask": np.ones((n, length), np.int64),
-        "position_ids": np.broadcast_to(np.arange(length, dtype=np.int64), (n, length)).copy(),
-        "labels": np.concatenate([windows[:, 1:], np.full((n, 1), -100)], axis=1).astype(np.int64),
-    }
-    empty = np.zeros((n, info["kv_heads"], 0, info["head_dim"]), np.float32)
-    for i in range(info["layers"]):
-        for kv in ("key", "value"):
-            arrays[f"past_key_values.{i}.{kv}"] = empty
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-    return path
-
-
 def qtool_recipe(name: str, ctx: RowContext) -> Path:
     """Write the row's recipe (and its data) into the row folder; return its path."""
     _, keys, auto = QTOOL_ROWS[name]
     with np.load(ctx.calibration) as data:
         windows = data["windows"][: ctx.args.qtool_calibration]
     info = ctx.info
-    calib = decoder_npz(windows, info, ctx.folder / "calibration.npz")
+    calib = llm_peers.decoder_npz(windows, info, ctx.folder / "calibration.npz")
     recipe: dict = {
         **{k: v for k, v in keys.items() if k not in ("calibration", "quantization")},
         "model": {"onnx": str(ctx.fp32), "opset": 21},
@@ -193,7 +174,7 @@ def qtool_recipe(name: str, ctx: RowContext) -> Path:
     if auto or name in TUNED_ROWS:
         with np.load(ctx.tuning) as data:
             tuning = data["windows"][: ctx.args.auto_windows]
-        tuning_npz = decoder_npz(tuning, info, ctx.folder / "tuning.npz")
+        tuning_npz = llm_peers.decoder_npz(tuning, info, ctx.folder / "tuning.npz")
     if name in TUNED_ROWS:
         recipe["tuning"] = {"data": {"npz": str(tuning_npz)}}
     if auto:

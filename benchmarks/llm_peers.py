@@ -167,6 +167,25 @@ def _ort_command(tool: str) -> Callable[[RowContext], list[str]]:
     return command
 
 
+def decoder_npz(windows: np.ndarray, info: dict, path: Path) -> Path:
+    """Token windows [n, length] as qtool's npz data: every decoder input (empty pasts) and
+    `labels` (the next token; -100 where none), so perplexity can be scored on it."""
+    n, length = windows.shape
+    arrays: dict[str, np.ndarray] = {
+        "input_ids": windows.astype(np.int64),
+        "attention_mask": np.ones((n, length), np.int64),
+        "position_ids": np.broadcast_to(np.arange(length, dtype=np.int64), (n, length)).copy(),
+        "labels": np.concatenate([windows[:, 1:], np.full((n, 1), -100)], axis=1).astype(np.int64),
+    }
+    empty = np.zeros((n, info["kv_heads"], 0, info["head_dim"]), np.float32)
+    for i in range(info["layers"]):
+        for kv in ("key", "value"):
+            arrays[f"past_key_values.{i}.{kv}"] = empty
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return path
+
+
 def _nncf_command(mode: str, data_aware: bool = False) -> Callable[[RowContext], list[str]]:
     def command(ctx: RowContext) -> list[str]:
         from benchmarks.peers import PEERS, peer_python  # lazy: imports qtool and rich
@@ -174,8 +193,6 @@ def _nncf_command(mode: str, data_aware: bool = False) -> Callable[[RowContext],
         python = peer_python(PEERS["nncf"], ctx.args.peer_root, ctx.args.install_timeout)
         data = []
         if data_aware:  # the windows qtool calibrates on, as the decoder's inputs
-            from benchmarks.llm import decoder_npz  # lazy: benchmarks.llm imports this module
-
             with np.load(ctx.calibration) as found:
                 windows = found["windows"][: ctx.args.qtool_calibration]
             npz = decoder_npz(windows, ctx.info, ctx.folder / "calibration.npz")
