@@ -18,6 +18,7 @@ import numpy as np
 
 from qtool.errors import DataError
 from qtool.metrics.signal import json_float
+from qtool.ort.accuracy_level import INT8_COMPUTE_LEVEL
 from qtool.ort.cpu import CpuFeatures, detect_cpu
 from qtool.ort.sessions import as_declared, create_session, ort_reason
 from qtool.plan.ops import precision_key
@@ -38,9 +39,9 @@ from qtool.runtime.fusion import (
     optimized_session,
 )
 from qtool.runtime.latency import latency_feed, measure_latency
+from qtool.runtime.low_bit import written_accuracy_levels
 
 if TYPE_CHECKING:
-    import onnx
     import onnxruntime
 
 # A quantized node of a model ORT's CPU provider runs only unfused (float8 Q/DQ).
@@ -140,16 +141,6 @@ def verify_unfused_only(
     return Verification(summary, [])
 
 
-def _int8_compute_nodes(graph: onnx.ModelProto) -> int:
-    """MatMulNBits nodes of ORT's optimized graph that compute with int8 activations."""
-    count = 0
-    for node in graph.graph.node:
-        if node.op_type == "MatMulNBits":
-            level = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
-            count += level == 4
-    return count
-
-
 def _fused_gap_warning(
     sqnr: dict[str, float], plan: Plan, loaded: OptimizedSession, cpu: CpuFeatures
 ) -> str | None:
@@ -164,7 +155,7 @@ def _fused_gap_warning(
     shown = ", ".join(f"{name!r} {value:.1f} dB" for name, value in ordered[:4])
     if len(ordered) > 4:
         shown += f" and {len(ordered) - 4} more (report.json: runtime.fused_vs_unfused_sqnr_db)"
-    int8_compute = _int8_compute_nodes(loaded.graph)
+    int8_compute = written_accuracy_levels(loaded.graph)[INT8_COMPUTE_LEVEL]
     weight_only = all(node.activations == "float" for node in plan.quantized())
     if weight_only and int8_compute:
         cause, advice = int8_compute_cause(int8_compute), int8_compute_advice()
