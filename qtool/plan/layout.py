@@ -27,7 +27,7 @@ import onnx
 from qtool.errors import ModelError
 from qtool.plan.graph import GraphIndex
 from qtool.plan.node_settings import NodeSettings, resolve_node_settings
-from qtool.plan.ops import find_rule, precision_key, unplaced_reason
+from qtool.plan.ops import find_rule, precision_key, rules, unplaced_reason
 from qtool.plan.ops.registry import Entry, OpRule
 from qtool.plan.plan import FLOAT_TYPES, NodePlan, Plan, WeightPlan
 from qtool.plan.settings import QuantizationSpec
@@ -111,7 +111,11 @@ def plan_layout(
     graph = GraphIndex(model, float_tensors)
     # A weight read by several nodes (a tied embedding) is stored once: its readers' settings
     # are made to agree, and each leader is planned before the nodes that follow it.
-    tied = tie_weights(graph, resolve_node_settings(model, spec, recipe_path, float_tensors))
+    unquantized_inputs = {r.op_type for r in rules() if not r.activation_inputs}
+    settings_by_node = resolve_node_settings(
+        model, spec, recipe_path, float_tensors, unquantized_inputs
+    )
+    tied = tie_weights(graph, settings_by_node)
     settings = tied.settings
     layout = Layout()
     wanted: list[tuple[str, str]] = []  # (tensor, pair type) to quantize, in discovery order

@@ -10,9 +10,10 @@ module names (`encoder.layer.0.attention`) and the ONNX node names the exporter 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -164,13 +165,16 @@ def resolve_node_settings(
     spec: QuantizationSpec,
     recipe_path: str = "recipe",
     float_tensors: set[str] | None = None,
+    unquantized_inputs: Collection[str] = (),
 ) -> dict[str, NodeSettings]:
     """Node name -> its settings: defaults, then `exclude`, then every override in order.
 
     A node that is not quantized gets the float type's precision (`quantization.float_type`:
     float for FP32, fp16, bf16) unless an override names its float precision itself.
     `float_tensors`: the model's float tensors, for overrides that select attention roles
-    (None: read from the model's declared types)."""
+    (None: read from the model's declared types). `unquantized_inputs`: op types whose inputs
+    never get Q/DQ (the registry's `activation_inputs=False`, an embedding Gather): their 8-bit
+    blocks are weight-only whatever `activations` says."""
     nodes = list(model.graph.node)
     roles: dict[str, set[str]] = {}
     if any(o.roles for o in spec.overrides):
@@ -235,5 +239,16 @@ def resolve_node_settings(
             # weight-only, as 4-bit nodes are by default (the recipe refuses both at one level)
             activations = "float"
             reason += "; 4-bit weights: weight-only (dynamic activations need 8-bit weights)"
+        integer_kernel = activations != "float" and node.op_type not in unquantized_inputs
+        if precision == "int8" and integer_kernel and resolved.granularity == "block":
+            # ONNX Runtime's integer MatMul and Conv kernels take one weight scale per output
+            # channel (or per tensor); 8-bit blocks are a weight-only form (MatMulNBits). The
+            # blocks come from a 4-bit level (the int4 base of an int8 override, --auto's int8
+            # candidate): measured, ORT fused them into a MatMulIntegerToFloat that fails to run.
+            resolved = dataclasses.replace(resolved, granularity="per-channel", block_size=None)
+            reason += (
+                "; 8-bit weights with int8 activations: one scale per output channel "
+                "(8-bit blocks are weight-only, activations: float)"
+            )
         settings[node.name] = NodeSettings(precision, resolved, activations, source, reason)
     return settings
