@@ -316,6 +316,10 @@ def test_the_search_holds_a_staged_model_under_the_limit_as_bytes(low_staging, c
     spec = yaml.safe_load(recipe.read_text())
     spec["evaluation"]["min_cosine"] = 0.9
     spec["mixed_precision"] = {"samples": 16, "max_iterations": 2}
+    # an algorithm: each plan the search measures is built from the staged float model, which
+    # lets go of its proto (plan.yaml then reads the graph from the staged file)
+    spec["quantization"] = {"algorithms": {"bias_correction": {"samples": 16}}}
+    spec["tuning"] = {"data": {"npz": "data.npz"}}
     recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
     calibrated = cli("calibrate", recipe, "--no-progress")  # its stats serve the search
     assert calibrated.exit_code == 0, calibrated.stderr

@@ -70,6 +70,20 @@ class FloatModel:
                 self.model = self.staged.load()
             self.serialized = self.model.SerializeToString()
 
+    def structure(self) -> onnx.ModelProto:
+        """The float graph for readers of its nodes only (plan.yaml): the proto when held, else
+        the staged file without its weights (a build of a staged model lets go of the proto),
+        else parsed from the bytes."""
+        if self.model is not None:
+            return self.model
+        if self.staged is not None:
+            return self.staged.structure()
+        if self.serialized is not None:
+            return onnx.load_from_string(self.serialized)
+        if self.float_file is not None:
+            return onnx.load(str(self.float_file.path))
+        raise ValueError("the float model is held in no form")
+
     def float_files(self, path: Path) -> dict[Path, bytes | Staged]:
         """The float model file(s) to commit at `path` (the path given to `freeze`); none for a
         staged model that is not to be kept (`commit_staged`)."""

@@ -580,7 +580,7 @@ def search(
         f"{scorer.float_value:.6g}) on {scorer.samples} evaluation samples (after the "
         f"{analysis_rows} the analysis measured).",
     ]
-    text = plan_yaml(float_model.model, quantization, chosen_built.layout.plan, comments)
+    text = plan_yaml(float_model.structure(), quantization, chosen_built.layout.plan, comments)
     block = mixed_block(
         spec,
         budget,
