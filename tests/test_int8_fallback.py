@@ -206,21 +206,10 @@ def test_the_fallback_and_the_mixed_precision_search_do_not_combine(tmp_path, cl
 def test_the_preset_keeps_the_ranked_layers_at_8_bits_in_the_written_model(tmp_path, cli):
     """`base: int4-mixed-llm` on the tiny KV-cache Llama: the layers the report names are
     8-bit MatMulNBits in the file, the rest 4-bit, and the 4-bit share is at least the ratio."""
-    data = Path(__file__).resolve().parent / "data" / "tiny_llama_dynamo.onnx"
-    from tests.test_llm_kv_cache import _data, _inputs
+    from tests.test_llm_kv_cache import quantize_with_preset
 
-    recipe = {
-        "base": "int4-mixed-llm",
-        "model": {"onnx": str(data)},
-        "inputs": _inputs(),
-        "calibration": {"data": {"npz": str(_data(tmp_path / "calib.npz", 16, 0))}},
-        "output": {"dir": "out"},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = cli("quantize", path, "--no-progress")
-    assert result.exit_code == 0, result.output
-    out = tmp_path / "out"
+    data = Path(__file__).resolve().parent / "data" / "tiny_llama_dynamo.onnx"
+    out = quantize_with_preset(cli, tmp_path, "int4-mixed-llm", data)
     report = json.loads((out / "report.json").read_text())
     entry = report["algorithms"]["int8_fallback"]
     assert entry["ratio"] == 0.8 and entry["int8"]

@@ -168,14 +168,12 @@ def test_kv_cache_decoder_quantizes_and_decodes(exports, tmp_path, cli, exporter
     assert evaluated.exit_code == 0, evaluated.output
 
 
-@pytest.mark.parametrize("preset", ["int8-llm", "int4-llm"])
-def test_llm_presets_quantize_and_decode(exports, tmp_path, cli, preset):
-    """`base: int8-llm` / `base: int4-llm` from any folder: the shipped presets quantize the
-    KV-cache decoder as they say (weight-only MatMuls, one int8 table for the embedding and the
-    tied lm_head; int4-llm with AWQ, scale estimation and GPTQ) and it still decodes."""
+def quantize_with_preset(cli, tmp_path: Path, preset: str, model: Path) -> Path:
+    """`qtool quantize` of `model` (a KV-cache decoder) with `base: preset`, calibrated on 16
+    token windows; returns the output folder."""
     recipe = {
         "base": preset,
-        "model": {"onnx": str(exports["dynamo"])},
+        "model": {"onnx": str(model)},
         "inputs": _inputs(),
         "calibration": {"data": {"npz": str(_data(tmp_path / "calib.npz", 16, 0))}},
         "output": {"dir": "out"},
@@ -184,7 +182,15 @@ def test_llm_presets_quantize_and_decode(exports, tmp_path, cli, preset):
     path.write_text(yaml.safe_dump(recipe))
     result = cli("quantize", path, "--no-progress")
     assert result.exit_code == 0, result.output
-    out = tmp_path / "out"
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("preset", ["int8-llm", "int4-llm"])
+def test_llm_presets_quantize_and_decode(exports, tmp_path, cli, preset):
+    """`base: int8-llm` / `base: int4-llm` from any folder: the shipped presets quantize the
+    KV-cache decoder as they say (weight-only MatMuls, one int8 table for the embedding and the
+    tied lm_head; int4-llm with AWQ, scale estimation and GPTQ) and it still decodes."""
+    out = quantize_with_preset(cli, tmp_path, preset, exports["dynamo"])
     (quantized,) = out.glob("model.int*.onnx")
     report = json.loads((out / "report.json").read_text())
     weighted = [n for n in report["nodes"] if n["op_type"] == "MatMul" and "weight" in n]

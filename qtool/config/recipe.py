@@ -341,14 +341,17 @@ def load_recipe(path: str | Path, output_dir: str | Path | None = None) -> Recip
     )
 
 
+def _weight_settings(quantization: QuantizationSpec) -> list[WeightSettings]:
+    """The recipe's weight settings at every level: the default and each override's."""
+    return [quantization.weights, *(o.weights for o in quantization.overrides)]
+
+
 def _uses_4bit(quantization: QuantizationSpec) -> bool:
-    settings = [quantization.weights, *(o.weights for o in quantization.overrides)]
-    return any(s.bits == 4 for s in settings)
+    return any(s.bits == 4 for s in _weight_settings(quantization))
 
 
 def _uses_gptq(quantization: QuantizationSpec) -> bool:
-    settings = [quantization.weights, *(o.weights for o in quantization.overrides)]
-    return any(s.method == "gptq" for s in settings)
+    return any(s.method == "gptq" for s in _weight_settings(quantization))
 
 
 def _apply_base(reader: _Reader, raw: Any, chain: list[Path]) -> Any:

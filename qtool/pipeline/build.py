@@ -39,7 +39,7 @@ from qtool.pipeline.param_cache import ParamCache
 from qtool.pipeline.statistics import Statistics
 from qtool.pipeline.tuning import TuningScore
 from qtool.plan.layout import Layout
-from qtool.plan.settings import Override, QuantizationSpec
+from qtool.plan.settings import Override, QuantizationSpec, with_overrides
 from qtool.write.assemble import activation_parameters, bias_parameters, weight_parameters
 from qtool.write.float_type import type_model
 from qtool.write.low_bit import LowBitOptions
@@ -78,9 +78,7 @@ class BuildSettings:
 
     def replan(self, model: onnx.ModelProto, extra: Sequence[Override] = ()) -> Layout:
         """The plan stage on `model`, with `extra` overrides after the recipe's (they win)."""
-        spec = self.quantization
-        if extra:
-            spec = dataclasses.replace(spec, overrides=tuple(spec.overrides) + tuple(extra))
+        spec = with_overrides(self.quantization, extra)
         return planning.plan(model, spec, self.calibration.method, self.where)
 
 

@@ -7,6 +7,8 @@ that defaults, presets and overrides layer cleanly.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 TARGETS = ("ort-cpu", "tensorrt")
@@ -231,3 +233,9 @@ def exact_pattern(name: str) -> str:
     if not any(c in name for c in _GLOB_CHARS):
         return name
     return "".join(f"[{c}]" if c in _GLOB_CHARS else c for c in name)
+
+
+def with_overrides(spec: QuantizationSpec, extra: Iterable[Override]) -> QuantizationSpec:
+    """`spec` with `extra` applied after its own overrides (so they win): how the search pins
+    a plan and an algorithm (the INT8 fallback) re-plans chosen nodes."""
+    return dataclasses.replace(spec, overrides=tuple(spec.overrides) + tuple(extra))

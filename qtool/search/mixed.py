@@ -24,7 +24,6 @@ written, qtool's provenance metadata included.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from qtool.pipeline.job import Job
 from qtool.pipeline.prepare import Prepared
 from qtool.pipeline.statistics import Statistics
 from qtool.plan.layout import Layout
-from qtool.plan.settings import Override
+from qtool.plan.settings import Override, with_overrides
 from qtool.runtime.latency import latency_feed, measure_latency
 from qtool.runtime.profile import NodeTimes, node_times
 from qtool.search.budget import Budget, resolve_budget
@@ -562,10 +561,7 @@ def search(
             "session overhead and are noisy on a shared machine"
         )
 
-    quantization = dataclasses.replace(
-        job.build.quantization,
-        overrides=tuple(job.build.quantization.overrides) + tuple(_pins(chosen.precisions)),
-    )
+    quantization = with_overrides(job.build.quantization, _pins(chosen.precisions))
     out = job.outputs.folder
     if result.passed:
         plan_path = out / "plan.yaml"

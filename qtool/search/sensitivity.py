@@ -215,23 +215,10 @@ def calibrate_for(prepared: Prepared, job: Job, layouts: Sequence[Layout], progr
         prepared.model.model, union, job.build.algorithms, job.build.calibration, job.where
     )
     model = prepared.model
-    if model.staged is not None:
-        # Staged for its size (under protobuf's limit, its bytes held): the staged files stay
-        # for the command that writes the float model, which commits or removes them; the
-        # stats files are committed now.
-        run = collect_statistics(
-            model,
-            requests,
-            job.build.data,
-            job.build.calibration.bins,
-            job.outputs,
-            job.where,
-            progress,
-            reload=True,
-        )
-        staged = set(model.float_files(job.outputs.float_model))
-        commit_files({path: data for path, data in run.files.items() if path not in staged})
-        return
+    # Staged for its size (under protobuf's limit, its bytes held): the staged files stay for
+    # the command that writes the float model, which commits or removes them, and the model is
+    # read back; otherwise the float model file is committed with the stats and let go of.
+    staged = model.staged is not None
     try:
         run = collect_statistics(
             model,
@@ -241,13 +228,18 @@ def calibrate_for(prepared: Prepared, job: Job, layouts: Sequence[Layout], progr
             job.outputs,
             job.where,
             progress,
-            reload=False,
+            reload=staged,
             release=True,
         )
+        if staged:
+            kept = set(model.float_files(job.outputs.float_model))
+            commit_files({path: data for path, data in run.files.items() if path not in kept})
+            return
         commit_files(run.files)
         model.float_file = None  # renamed into place
     finally:
-        model.discard()
+        if not staged:
+            model.discard()
 
 
 def _statistics(

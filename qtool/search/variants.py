@@ -25,7 +25,12 @@ from qtool.pipeline.float_model import FloatModel
 from qtool.pipeline.param_cache import ParamCache
 from qtool.pipeline.statistics import Statistics
 from qtool.plan.layout import Layout
-from qtool.plan.settings import Override, QuantizationSpec, WeightSettings, exact_pattern
+from qtool.plan.settings import (
+    Override,
+    WeightSettings,
+    exact_pattern,
+    with_overrides,
+)
 
 _BITS = {"int4": 4, "int8": 8, "fp8": 8}
 
@@ -40,11 +45,6 @@ def pin(names: str | Sequence[str], precision: str, where: str) -> Override:
         precision=precision,
         weights=WeightSettings(bits=bits),
     )
-
-
-def with_overrides(spec: QuantizationSpec, extra: Iterable[Override]) -> QuantizationSpec:
-    """`spec` with `extra` applied after its own overrides (so they win)."""
-    return dataclasses.replace(spec, overrides=tuple(spec.overrides) + tuple(extra))
 
 
 def union_layout(layouts: Iterable[Layout]) -> Layout:
