@@ -73,8 +73,8 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(both_zero, 1.0, cos)
 
 
-# Elements of one batch read at once in float64 (32 MB per temporary); larger batches go by slices.
-CHUNK_ELEMENTS = 1 << 22
+# Elements of one batch read at once in float64 (8 MB per temporary); larger batches go by slices.
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _cosine_of_sums(dot: float, ref_energy: float, test_energy: float) -> float:

@@ -200,7 +200,7 @@ def _is_repeated(fd) -> bool:
     return bool(repeated) if repeated is not None else fd.label == fd.LABEL_REPEATED
 
 
-def _copy_fields(src, dst, skip: frozenset[str]) -> None:
+def copy_fields(src, dst, skip: frozenset[str]) -> None:
     """Copy every field of `src` into `dst` except `skip`, generically (fields added to onnx.proto
     later are copied too); never reads a skipped field, so no tensor data is touched."""
     for fd in src.DESCRIPTOR.fields:
@@ -286,7 +286,7 @@ def tensor_array(tensor: TensorProto) -> np.ndarray:
     if lazy_file(tensor) is None:
         return numpy_helper.to_array(tensor)
     loaded = TensorProto()
-    _copy_fields(tensor, loaded, _DATA_FIELDS)
+    copy_fields(tensor, loaded, _DATA_FIELDS)
     loaded.raw_data = _read_lazy(tensor)
     return numpy_helper.to_array(loaded)
 
@@ -306,8 +306,8 @@ def _layout(model: onnx.ModelProto, location: str, keep: Collection[str] = ()) -
     named in `keep`) replaced by a reference to `location` at an aligned offset (computed from its
     type and shape)."""
     skeleton = onnx.ModelProto()
-    _copy_fields(model, skeleton, frozenset({"graph"}))
-    _copy_fields(model.graph, skeleton.graph, frozenset({"initializer"}))
+    copy_fields(model, skeleton, frozenset({"graph"}))
+    copy_fields(model.graph, skeleton.graph, frozenset({"initializer"}))
     tensors: list[TensorProto] = []
     offsets: list[int] = []
     lengths: list[int] = []
@@ -317,7 +317,7 @@ def _layout(model: onnx.ModelProto, location: str, keep: Collection[str] = ()) -
         if not _goes_external(init, keep):
             out.CopyFrom(init)
             continue
-        _copy_fields(init, out, _DATA_FIELDS)
+        copy_fields(init, out, _DATA_FIELDS)
         length = raw_nbytes(init)
         offset = -(-end // ALIGNMENT) * ALIGNMENT
         out.data_location = TensorProto.EXTERNAL
@@ -452,11 +452,11 @@ def convert_without_weights(
     for fd in model.DESCRIPTOR.fields:
         if fd.name != "graph":
             model.ClearField(fd.name)
-    _copy_fields(converted, model, frozenset({"graph"}))
+    copy_fields(converted, model, frozenset({"graph"}))
     for fd in graph.DESCRIPTOR.fields:
         if fd.name != "initializer":
             graph.ClearField(fd.name)
-    _copy_fields(result, graph, frozenset({"initializer"}))
+    copy_fields(result, graph, frozenset({"initializer"}))
     order: dict[str, int] = {}
     small: dict[str, TensorProto] = {}
     for index, init in enumerate(result.initializer):

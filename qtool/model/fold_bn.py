@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qtool.model.external_data import tensor_array
 from qtool.model.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_indexes
 
 __all__ = ["fold_batch_norms"]
@@ -123,7 +124,7 @@ def _rank2_matmul(
 def _bn_params(bn: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple:
     """(multiplier, offset) in float64: y = x * multiplier + offset per channel."""
     scale, b, mean, var = (
-        numpy_helper.to_array(inits[n]).astype(np.float64).reshape(-1) for n in bn.input[1:]
+        tensor_array(inits[n]).astype(np.float64).reshape(-1) for n in bn.input[1:]
     )
     multiplier = scale / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
     return multiplier, b - mean * multiplier
@@ -133,7 +134,7 @@ def _fold_conv(
     node: onnx.NodeProto, params: tuple, inits: dict[str, onnx.TensorProto]
 ) -> tuple[np.ndarray, np.ndarray] | None:
     multiplier, offset = params
-    w = numpy_helper.to_array(inits[node.input[1]])
+    w = tensor_array(inits[node.input[1]])
     channels = multiplier.shape[0]
     if w.ndim < 2:
         return None
@@ -160,7 +161,7 @@ def _fold_gemm(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Y = alpha * A' B' + beta * C with BN over Y's columns: scale B's output columns."""
     multiplier, offset = params
-    w = numpy_helper.to_array(inits[node.input[1]])
+    w = tensor_array(inits[node.input[1]])
     trans_b = int(_attr(node, "transB", 0))
     if w.ndim != 2 or w.shape[0 if trans_b else 1] != multiplier.shape[0]:
         return None
@@ -179,7 +180,7 @@ def _bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], channels: in
     """The producer's bias in float64 (zeros when absent); None if it is not per-channel."""
     if len(node.input) < 3 or not node.input[2]:
         return np.zeros(channels)
-    bias = numpy_helper.to_array(inits[node.input[2]]).astype(np.float64)
+    bias = tensor_array(inits[node.input[2]]).astype(np.float64)
     if node.op_type == "Gemm":
         # C broadcasts to [M, N]; any form that broadcasts against the channel vector folds.
         if bias.ndim > 2 or (bias.ndim >= 1 and bias.shape[-1] not in (1, channels)):

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from qtool.model.external_data import tensor_array
 from qtool.model.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_indexes, drop_where
 from qtool.model.shapes import static_shape
 
@@ -67,7 +68,7 @@ class _Constants:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self._protos[name])
+            self._arrays[name] = tensor_array(self._protos[name])
         return self._arrays[name]
 
     def add(self, name: str, value: np.ndarray) -> None:

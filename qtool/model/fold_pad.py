@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
+from qtool.model.external_data import tensor_array
 from qtool.model.graph_edit import STANDARD_DOMAINS, consumer_counts, delete_indexes
 
 __all__ = ["fold_pads", "zero_spatial_pads"]
@@ -32,7 +33,7 @@ def _attr(node: onnx.NodeProto, name: str):
 
 
 def _constant(name: str, inits: dict[str, onnx.TensorProto]) -> np.ndarray | None:
-    return numpy_helper.to_array(inits[name]) if name in inits else None
+    return tensor_array(inits[name]) if name in inits else None
 
 
 def zero_spatial_pads(

@@ -24,7 +24,7 @@ import onnx
 
 from qtool.data.spec import InputSpec
 from qtool.errors import ModelError, first_line
-from qtool.model.external_data import raw_nbytes
+from qtool.model.external_data import lazy_file, raw_nbytes
 from qtool.model.spec import ModelSpec
 from qtool.phases import phase
 
@@ -133,8 +133,15 @@ def load_onnx(
     `digest` is updated with the file's bytes, then with each external data file in
     first-reference order: provenance.sha256_model's definition, computed from the one read
     (hashing the file afterwards re-read and re-parsed it: 0.2 CPU s on a 90 MB encoder)."""
+    from qtool.model import external_data
     from qtool.model.external_data import clear_default_locations, external_files, hash_files
 
+    lazy = _load_large_inline(path, digest, external_data.STAGE_WEIGHTS_THRESHOLD)
+    if lazy is not None:
+        if read_files is not None:
+            read_files.append(path)
+        check_initializers(lazy, str(path))
+        return lazy
     try:
         content = path.read_bytes()
     except OSError as exc:
@@ -164,6 +171,22 @@ def load_onnx(
     clear_default_locations(model)
     check_initializers(model, str(path))
     return model
+
+
+def _load_large_inline(
+    path: Path, digest: hashlib._Hash | None, threshold: int
+) -> onnx.ModelProto | None:
+    """A single-file model of `threshold` bytes or more, its weights left in the file (lazy:
+    qtool.model.inline_lazy), so loading it holds its graph, not its weights; None for a
+    smaller file or one that reader leaves to onnx's loader."""
+    from qtool.model.inline_lazy import load_inline_lazy
+
+    try:
+        if path.stat().st_size < threshold:
+            return None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model file ({first_line(exc)})") from None
+    return load_inline_lazy(path, digest)
 
 
 # Element types stored one value per element in a typed field (complex ones two), when a
@@ -207,7 +230,8 @@ def _data_problem(tensor: onnx.TensorProto) -> str | None:
     dims = list(tensor.dims)
     if any(dim < 0 for dim in dims):
         return f"has a negative dimension in its dims {dims}"
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+    lazy = lazy_file(tensor)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and lazy is None:
         return None  # not loaded (onnx.load_external_data_for_model checks what it reads)
     count = math.prod(dims)
     if tensor.data_type == onnx.TensorProto.STRING:
@@ -219,6 +243,8 @@ def _data_problem(tensor: onnx.TensorProto) -> str | None:
     except (KeyError, ValueError, TypeError):
         return f"has element type {tensor.data_type}, which is not an ONNX tensor type"
     claim = f"dims {dims} ({_amount(count)} {type_name} elements, {_amount(need)} bytes)"
+    if lazy is not None:  # its raw_data's length, as recorded in the file
+        return None if lazy[2] == need else f"has {claim} but holds {lazy[2]} bytes of data"
     if tensor.HasField("raw_data"):
         have = len(tensor.raw_data)  # copies the bytes (~1 ms per MB), one tensor at a time
         return None if have == need else f"has {claim} but holds {have} bytes of data"

@@ -29,6 +29,7 @@ from onnx import helper, inliner, numpy_helper, shape_inference, version_convert
 
 from qtool.errors import ModelError, first_line
 from qtool.model import external_data
+from qtool.model.external_data import tensor_array
 
 __all__ = ["TARGET_OPSET", "upgrade_to_opset21", "upgrade_to_opset21_in_place"]
 
@@ -216,7 +217,7 @@ def _group_norm_scale_per_channel(model: onnx.ModelProto) -> None:
                     f"{where}: its {'scale' if slot == 1 else 'bias'} {name!r} is not a constant; "
                     f"opset 21 needs it per channel, opset 18 per group: cannot convert"
                 )
-            value = numpy_helper.to_array(inits[name])
+            value = tensor_array(inits[name])
             if value.shape == (channels,) or channels == groups:
                 continue
             if channels is None:

@@ -18,8 +18,9 @@ from collections import defaultdict
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
+from qtool.model.external_data import tensor_array
 from qtool.model.graph_edit import drop_where
 
 __all__ = ["MIN_ELEMENTS", "share_transposed_copies"]
@@ -34,7 +35,7 @@ def _array(tensor: onnx.TensorProto) -> np.ndarray:
     """The values without a copy where the bytes are raw (they nearly always are)."""
     if tensor.raw_data and tensor.data_location != onnx.TensorProto.EXTERNAL:
         return np.frombuffer(tensor.raw_data, dtype=np.float32).reshape(tuple(tensor.dims))
-    return numpy_helper.to_array(tensor)
+    return tensor_array(tensor)
 
 
 def _probe_positions(rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:

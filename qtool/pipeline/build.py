@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -99,6 +99,18 @@ class Built:
     float_type: dict | None = None
     # The model-level comparison with plain min-max (qtool/pipeline/keep.py), when it ran
     choice: dict | None = None
+
+    def drop_weight_values(self) -> None:
+        """Let go of the quantized weights' integers once the model holds them: the report reads
+        only their dtype and shape, and on a decoder they are a quarter of its float size, held
+        through verification's two sessions. Each becomes a zero-strided view of its shape (new
+        objects: a ParamCache that shares the old ones keeps them whole)."""
+        self.weights = {
+            name: replace(
+                weight, values=np.broadcast_to(weight.values.dtype.type(0), weight.values.shape)
+            )
+            for name, weight in self.weights.items()
+        }
 
 
 def build_quantized(

@@ -14,8 +14,9 @@ import onnx
 from qtool import __version__
 from qtool.data.source import BatchSource
 from qtool.errors import ModelError, QtoolError
-from qtool.io import Staged
+from qtool.io import Staged, stage
 from qtool.model import external_data, provenance
+from qtool.model.inline_write import write_inline
 from qtool.model.memory import release_freed_memory
 from qtool.ort.float8 import unfused_only_reason
 from qtool.phases import phase
@@ -120,17 +121,32 @@ def stamp_provenance(
 
 
 def stage_quantized(
-    quantized: onnx.ModelProto, model_path: Path, external: bool
+    quantized: onnx.ModelProto, model_path: Path, external: bool, large: bool = False
 ) -> tuple[bytes | Path, dict[Path, bytes | Staged], external_data.StagedModel | None]:
     """The quantized model written for commit: in memory (the float weights it keeps that are
     still lazy read in), or as external data beside `model_path` when the float model is over
     protobuf's limit (ORT sessions then map the weights from the file instead of each copying
-    the serialized model) or it is itself."""
+    the serialized model) or it is itself.
+
+    `large` (a staged float model, STAGE_WEIGHTS_THRESHOLD): the file committed is still one
+    protobuf, written by streaming (inline_write), and verification's sessions read a staged
+    external-data copy (discarded with the returned StagedModel): from bytes, each session
+    copied the whole model (a 138 MB int8 decoder: +160 MB for the unfused one, +23 MB mapped)."""
     if external or external_data.needs_external_data(quantized):
         with phase("writing the quantized model (external data)"):
             external_data.check_model(quantized)
             staged = external_data.stage_model(quantized, model_path)
         return staged.session_path, staged.files(), staged
+    if large:
+        with phase("writing the quantized model"):
+            external_data.check_model(quantized)
+            for_sessions = external_data.stage_model(quantized, model_path)
+            try:
+                inline = stage(model_path, lambda handle: write_inline(quantized, handle))
+            except BaseException:
+                for_sessions.discard()
+                raise
+        return for_sessions.session_path, {model_path: inline}, for_sessions
     external_data.read_lazy_weights(quantized)
     source = quantized.SerializeToString()
     external_data.check_model(quantized, source)
@@ -163,9 +179,12 @@ def verify_and_report(
     engine_source = quantized.SerializeToString() if target == "tensorrt" else None
     # A BF16 file does not load on ORT's CPU provider: its FP32 emulation is what ORT checks.
     emulation = emulated(quantized).SerializeToString() if has_bf16(quantized) else None
-    source, quant_files, staged = stage_quantized(quantized, model_path, float_model.over_limit)
+    source, quant_files, staged = stage_quantized(
+        quantized, model_path, float_model.over_limit, float_model.staged is not None
+    )
     del quantized
     built.model = None
+    built.drop_weight_values()
     release_freed_memory()  # the quantized proto, now in its staged file or bytes
     ort_source = emulation if emulation is not None else source
     finished = None
@@ -191,7 +210,7 @@ def verify_and_report(
             del engine_source
             verification.warnings.extend(tensorrt_warnings(tensorrt))
         files = dict(files)
-        if staged is not None:  # ship both files: the .onnx alone has no weights
+        if staged is not None and staged.data_path in quant_files:  # ship both files
             files["quantized_model_data"] = str(staged.data_path)
         if float_model.staged is not None and float_model.commit_staged:
             files["float_model_data"] = str(float_model.staged.data_path)
