@@ -16,6 +16,7 @@ import re
 import secrets
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,17 @@ def stage(target: Path, write: Callable[[BinaryIO], None]) -> Staged:
     except OSError as exc:
         raise _fail(target, exc) from None
     _LIVE.add(tmp)
-    return Staged(tmp)
+    staged = Staged(tmp)
+    weakref.finalize(staged, _forget, tmp)
+    return staged
+
+
+def _forget(tmp: Path) -> None:
+    """A staged file whose handle is gone uncommitted (its run failed before the commit) is
+    removed with it; a committed one left _LIVE when it was renamed."""
+    if tmp in _LIVE:
+        tmp.unlink(missing_ok=True)
+        _LIVE.discard(tmp)
 
 
 def commit_files(files: Mapping[Path, bytes | Staged]) -> None:

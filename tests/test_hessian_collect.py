@@ -363,3 +363,20 @@ def test_merge_rejects_shards_that_disagree(collected):
     wider = {name: HessianAccumulator(acc.features + 1, name) for name, acc in hessians.items()}
     with pytest.raises(CalibrationError, match="cannot merge Hessians of"):
         merge_hessians([hessians, wider])
+
+
+def test_a_packed_accumulator_holds_half_and_gives_the_same_matrix(collected):
+    """The build holds every layer's XᵀX at once: packed, each is its upper triangle, and
+    reading it back (or accumulating more into it) gives exactly what the full matrix gave."""
+    _, batches, _, hessians = collected
+    source = hessians["x"]
+    acc = HessianAccumulator.from_sum(source.xtx, source.rows, "x")
+    full = acc.xtx.copy()
+    acc.pack()
+    k = acc.features
+    assert acc._full is None and acc._packed.nbytes == k * (k + 1) // 2 * 8 < full.nbytes * 0.6
+    assert np.array_equal(acc.xtx, full) and acc.xtx is not acc.xtx  # rebuilt on each read
+    extra = batches[0].inputs["x"]
+    acc.update(extra)
+    flat = extra.reshape(-1, k).astype(np.float32)
+    assert np.array_equal(acc.xtx, full + flat.T @ flat)

@@ -271,7 +271,7 @@ def _content(path: Path) -> bytes:
     return model.SerializeToString(deterministic=True)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "4-llm"])
 def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
     bits, cli, tmp_path, monkeypatch
 ):
@@ -289,12 +289,23 @@ def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
         spec = yaml.safe_load(recipe.read_text())
         # fc2 stays float: its weight is a lazy one read back into the inline quantized model
         spec["quantization"] = {"overrides": [{"nodes": "/fc2/MatMul", "precision": "float"}]}
-        if bits == 4:
+        if bits in (4, "4-llm"):
             spec["quantization"]["weights"] = {"bits": 4, "block_size": 32}
+        if bits == "4-llm":  # the LLM presets' algorithms read the staged weights one by one
+            spec["quantization"]["weights"]["method"] = "gptq"
+            spec["quantization"]["algorithms"] = {
+                "awq": {"grid": 4},
+                "scale_estimation": {"steps": 2},
+                "gptq": {"act_order": True},
+            }
         recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
         calibrated = cli("calibrate", recipe, "--no-progress")
         assert calibrated.exit_code == 0, calibrated.stderr
-        result = cli("quantize", recipe, "--no-progress", "--stats", str(folder / "out/stats.npz"))
+        with monkeypatch.context() as patch:
+            if staged and bits == "4-llm":  # quantize builds from the staged weights
+                patch.setattr(FloatModel, "materialize", _no_materialize)
+            stats = str(folder / "out/stats.npz")
+            result = cli("quantize", recipe, "--no-progress", "--stats", stats)
         assert result.exit_code == 0, result.stderr
         out = folder / "out"
         (written,) = out.glob("model.int*.onnx")
@@ -307,6 +318,10 @@ def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
         assert evaluated.exit_code == 0, evaluated.stderr
         assert_no_temporaries(out)
     assert contents[True] == contents[False]
+
+
+def _no_materialize(self) -> None:
+    raise AssertionError("the build read the whole staged float model in")
 
 
 def test_the_search_holds_a_staged_model_under_the_limit_as_bytes(low_staging, cli, tmp_path):

@@ -306,3 +306,23 @@ def test_qat_late_failure(tmp_path, scratch, cli, monkeypatch, failure) -> None:
     assert temporaries(tmp_path) == []
     left = sorted(_files(folder / "out"))
     assert left and all(name.startswith("qat/") for name in left), left
+
+
+def test_a_staged_file_dropped_uncommitted_goes_with_its_handle(tmp_path) -> None:
+    """A run that fails between staging an output (the Hessian file, hundreds of MB on a
+    decoder) and the commit drops its handle: the temporary goes with it; a committed one stays."""
+    import gc
+
+    from qtool.io import commit_files, stage
+
+    dropped = stage(tmp_path / "hessians.npz", lambda handle: handle.write(b"x"))
+    temporary = dropped.path
+    assert temporary.is_file()
+    del dropped
+    gc.collect()
+    assert not temporary.exists()
+    kept = stage(tmp_path / "stats.npz", lambda handle: handle.write(b"y"))
+    commit_files({tmp_path / "stats.npz": kept})
+    del kept
+    gc.collect()
+    assert (tmp_path / "stats.npz").read_bytes() == b"y" and temporaries(tmp_path) == []

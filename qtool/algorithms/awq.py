@@ -46,6 +46,7 @@ from qtool.algorithms.spec import AwqParams
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError
+from qtool.model.external_data import tensor_array
 from qtool.plan.layout import Layout, WeightSlot
 from qtool.plan.plan import WeightPlan
 from qtool.write.int4 import dequantize
@@ -246,16 +247,16 @@ def scale_model(
             continue
         s = choice.scale
         for member in group.members:
-            w = numpy_helper.to_array(initializers[member.weight]).astype(np.float32)
+            w = tensor_array(initializers[member.weight]).astype(np.float32)
             _set(initializers, member.weight, w * s[:, None])
         target = _fold_target(graph, group, layout, initializers, readers)
         if target is not None and target[0] == "constant":
-            c = numpy_helper.to_array(initializers[target[2]]).astype(np.float32)
+            c = tensor_array(initializers[target[2]]).astype(np.float32)
             _set(initializers, target[2], c / s.reshape(c.shape))
             reads[group.input] = group.input
             where[group.input] = f"the constant '{target[2]}' of Mul '{target[1]}'"
         elif target is not None:
-            w = numpy_helper.to_array(initializers[target[2]]).astype(np.float32)
+            w = tensor_array(initializers[target[2]]).astype(np.float32)
             _set(initializers, target[2], w / s[None, :])
             reads[group.input] = group.input
             where[group.input] = (
@@ -326,7 +327,9 @@ def _scaled_hessians(
         acc = hessians[group.input]
         inverse = 1.0 / choice.scale.astype(np.float64)
         xtx = acc.xtx * inverse[:, None] * inverse[None, :]
-        out[reads[group.input]] = HessianAccumulator.from_sum(xtx, acc.rows, reads[group.input])
+        scaled = HessianAccumulator.from_sum(xtx, acc.rows, reads[group.input])
+        scaled.pack()  # held with the unscaled ones through the build
+        out[reads[group.input]] = scaled
     return out
 
 
@@ -349,9 +352,7 @@ def apply_awq(
     initializers = {t.name: t for t in model.graph.initializer}
     choices: dict[str, Choice] = {}
     for group in groups:
-        weights = [
-            numpy_helper.to_array(initializers[m.weight]).astype(np.float32) for m in group.members
-        ]
+        weights = [tensor_array(initializers[m.weight]).astype(np.float32) for m in group.members]
         choices[group.input] = search_scale(
             weights, group.members, hessians[group.input].hessian(), params.grid
         )

@@ -21,11 +21,12 @@ import json
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from qtool.calibration.archive import index_field, load_entries, write_member
-from qtool.calibration.hessians import HessianAccumulator
+from qtool.calibration.hessians import HessianAccumulator, pack_triangle, unpack_triangle
 from qtool.errors import CalibrationError
 from qtool.io import atomic_write_bytes, not_a_file
 from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
@@ -33,22 +34,6 @@ from qtool.zip_members import MAX_NPY_HEADER_BYTES, NpyMember
 FORMAT = "qtool-hessians/1"
 _KIND = "Hessian"
 _LAYOUT = "upper triangle, row by row, float64"
-
-
-def _pack(xtx: np.ndarray) -> np.ndarray:
-    """Row i from column i on, for every row: K(K+1)/2 values, without an index array as large."""
-    return np.concatenate([xtx[i, i:] for i in range(xtx.shape[0])])
-
-
-def _unpack(packed: np.ndarray, features: int) -> np.ndarray:
-    xtx = np.empty((features, features), dtype=np.float64)
-    start = 0
-    for i in range(features):
-        row = packed[start : start + features - i]
-        xtx[i, i:] = row
-        xtx[i:, i] = row
-        start += features - i
-    return xtx
 
 
 def _check_storable(name: str, acc: HessianAccumulator) -> None:
@@ -82,7 +67,21 @@ def hessian_file_bytes(
     model_fingerprint: str,
     data_sha256: str | None = None,
 ) -> bytes:
-    """The file's bytes, sorted by tensor name so they do not depend on dict order.
+    """The file's bytes (write_hessian_file into memory)."""
+    buffer = io.BytesIO()
+    write_hessian_file(buffer, accumulators, model_fingerprint, data_sha256)
+    return buffer.getvalue()
+
+
+def write_hessian_file(
+    handle: BinaryIO,
+    accumulators: Mapping[str, HessianAccumulator],
+    model_fingerprint: str,
+    data_sha256: str | None = None,
+) -> None:
+    """Write the file to `handle`, sorted by tensor name so its bytes do not depend on dict
+    order; one packed matrix in memory at a time (a decoder's file is hundreds of MB: written
+    to its staged file, not held as bytes until the commit).
 
     `model_fingerprint` is the prepared model's (as in the stats file); `data_sha256` fingerprints
     the calibration batches, for provenance.
@@ -105,14 +104,12 @@ def hessian_file_bytes(
             for i, name in enumerate(names)
         ],
     }
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+    with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         write_member(archive, "index.json", json.dumps(index, indent=1, sort_keys=True).encode())
         for i, name in enumerate(names):  # one packed matrix in memory at a time
             array_bytes = io.BytesIO()
-            np.save(array_bytes, _pack(accumulators[name].xtx))
+            np.save(array_bytes, pack_triangle(accumulators[name].xtx))
             write_member(archive, f"xtx_{i}.npy", array_bytes.getvalue(), zipfile.ZIP_STORED)
-    return buffer.getvalue()
 
 
 def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianAccumulator:
@@ -140,13 +137,15 @@ def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianA
         packed = npy.read()
     if not np.all(np.isfinite(packed)):
         raise CalibrationError(f"{path}: tensor {name!r}: XᵀX contains NaN or Inf")
-    xtx = _unpack(packed, features)
+    xtx = unpack_triangle(packed, features)
     diagonal = np.diag(xtx)
     if np.any(diagonal < 0):  # each (XᵀX)_ii is a sum of squares
         raise CalibrationError(f"{path}: tensor {name!r}: XᵀX has a negative diagonal entry")
     if rows == 0 and np.any(diagonal != 0):
         raise CalibrationError(f"{path}: tensor {name!r}: XᵀX is not zero but counts no rows")
-    return HessianAccumulator.from_sum(xtx, rows, name)
+    accumulator = HessianAccumulator.from_sum(xtx, rows, name)
+    accumulator.pack()
+    return accumulator
 
 
 def load_hessians(path: Path, model_fingerprint: str) -> dict[str, HessianAccumulator]:

@@ -11,6 +11,23 @@ import numpy as np
 from qtool.errors import CalibrationError, DataError
 
 
+def pack_triangle(xtx: np.ndarray) -> np.ndarray:
+    """Row i from column i on, for every row: K(K+1)/2 values, without an index array as large."""
+    return np.concatenate([xtx[i, i:] for i in range(xtx.shape[0])])
+
+
+def unpack_triangle(packed: np.ndarray, features: int) -> np.ndarray:
+    """The symmetric K x K matrix whose upper triangle `pack_triangle` gave."""
+    xtx = np.empty((features, features), dtype=np.float64)
+    start = 0
+    for i in range(features):
+        row = packed[start : start + features - i]
+        xtx[i, i:] = row
+        xtx[i:, i] = row
+        start += features - i
+    return xtx
+
+
 class HessianAccumulator:
     """Running XᵀX (float64) and row count of the inputs [..., K] of one layer.
 
@@ -26,8 +43,28 @@ class HessianAccumulator:
             raise ValueError(f"features must be positive, got {features}")
         self.features = features
         self.name = name
-        self.xtx = np.zeros((features, features), dtype=np.float64)
+        self._full: np.ndarray | None = np.zeros((features, features), dtype=np.float64)
+        self._packed: np.ndarray | None = None
         self.rows = 0
+
+    @property
+    def xtx(self) -> np.ndarray:
+        """The K x K sum (after `pack`, rebuilt on each access: a new array, same bytes)."""
+        if self._full is not None:
+            return self._full
+        assert self._packed is not None
+        return unpack_triangle(self._packed, self.features)
+
+    @xtx.setter
+    def xtx(self, value: np.ndarray) -> None:
+        self._full, self._packed = value, None
+
+    def pack(self) -> None:
+        """Hold only the upper triangle once accumulation is over: XᵀX is exactly symmetric
+        (syrk products added), and the build holds every layer's sum at once (SmolLM2-135M's
+        211 MatMul inputs: 805 MB in full, 403 MB packed) next to the float model."""
+        if self._full is not None:
+            self._packed, self._full = pack_triangle(self._full), None
 
     def update(self, x: np.ndarray) -> None:
         """Add the rows of x: memory is one batch's XᵀX, never the history."""
@@ -41,7 +78,9 @@ class HessianAccumulator:
         product = flat.T @ flat  # BLAS syrk: exactly symmetric
         if not np.all(np.isfinite(product)):
             raise DataError(f"tensor {self.name!r} contains NaN or Inf (or overflows float32)")
-        self.xtx += product
+        if self._full is None:  # packed by an earlier pass: accumulate in full again
+            self._full, self._packed = self.xtx, None
+        self._full += product
         self.rows += flat.shape[0]
 
     def merge(self, other: HessianAccumulator) -> HessianAccumulator:

@@ -537,13 +537,15 @@ class StagedModel:
         built it still hold is not carried along (the in-memory path re-parses its bytes).
         Initializers named in `skip` stay references to the staged data file (not read)."""
         if not skip:
-            return onnx.load(str(self.session_path))
+            model = onnx.load(str(self.session_path))
+            clear_default_locations(model)  # the bytes of the model as it was never staged
+            return model
         model = self.structure()
         folder = str(self.session_path.parent)
         for tensor in model.graph.initializer:
             if tensor.data_location == TensorProto.EXTERNAL and tensor.name not in skip:
                 load_external_data_for_tensor(tensor, folder)
-                tensor.data_location = TensorProto.DEFAULT
+                tensor.ClearField("data_location")
                 del tensor.external_data[:]
         return model
 

@@ -312,7 +312,15 @@ def _reads_whole_model(settings: BuildSettings, layout: Layout) -> bool:
     pass, and TensorRT's engine check (it builds from the model's bytes)."""
     spec = settings.quantization
     asked, default = requested_types(layout.plan, spec.float_precision)
-    return bool(settings.algorithms) or needs_typing(asked, default) or spec.target == "tensorrt"
+    rewrites = set(settings.algorithms.names()) - _READ_WEIGHT_BY_WEIGHT
+    return bool(rewrites) or needs_typing(asked, default) or spec.target == "tensorrt"
+
+
+# Algorithms that read a lazy model's weights one at a time (external_data.tensor_array) and
+# replace only those they change: the 4-bit LLM presets build from the staged file (AWQ's
+# scaled weights are the only float weights held; the float model was read in whole before,
+# and AWQ's copy of it on top: SmolLM2-135M 540 MB each).
+_READ_WEIGHT_BY_WEIGHT = frozenset({"awq", "int8_fallback", "scale_estimation", "gptq"})
 
 
 def _channels(statistics: Statistics, float_model: FloatModel) -> tuple[dict, str]:

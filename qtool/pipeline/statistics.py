@@ -14,7 +14,7 @@ from qtool import kernels
 from qtool.calibration.channels import ChannelStats, channel_file_bytes
 from qtool.calibration.collect import collect
 from qtool.calibration.data_digest import DataDigest
-from qtool.calibration.hessian_file import hessian_file_bytes, load_hessians
+from qtool.calibration.hessian_file import load_hessians, write_hessian_file
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.merge import merge_across_processes
 from qtool.calibration.observers import TensorStats
@@ -28,7 +28,7 @@ from qtool.calibration.stats_file import (
 from qtool.data.source import BatchSource
 from qtool.distributed import Group, Shard
 from qtool.errors import CalibrationError
-from qtool.io import Staged
+from qtool.io import Staged, stage
 from qtool.pipeline.float_model import FloatModel
 from qtool.pipeline.outputs import OutputFiles
 
@@ -126,8 +126,14 @@ def collect_statistics(
     stats_bytes = stats_file_bytes(stats, model.fingerprint, bins, data_digest=digest, shard=record)
     data_sha256 = None if digest is None else digest.hexdigest()
     files = {outputs.stats: stats_bytes, **model.float_files(outputs.float_model)}
+    for accumulator in hessians.values():  # the build holds them all: half the bytes
+        accumulator.pack()
     if requests.hessians and group.primary:
-        files[outputs.hessians] = hessian_file_bytes(hessians, model.fingerprint, data_sha256)
+        fingerprint = model.fingerprint
+        files[outputs.hessians] = stage(
+            outputs.hessians,
+            lambda handle: write_hessian_file(handle, hessians, fingerprint, data_sha256),
+        )
     channels = {observer.name: observer.result() for observer in observers}
     if observers:
         files[outputs.channels] = channel_file_bytes(channels, model.fingerprint, data_sha256)
