@@ -10,10 +10,21 @@ import numpy as np
 
 from qtool.errors import CalibrationError, DataError
 
+# Flat positions of a K x K matrix's upper triangle, row by row, per K (a 1536-wide input:
+# 9.4 MB, once): what a batch's product adds to a packed sum.
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(features: int) -> np.ndarray:
+    if features not in _UPPER:
+        rows, cols = np.triu_indices(features)
+        _UPPER[features] = rows * features + cols
+    return _UPPER[features]
+
 
 def pack_triangle(xtx: np.ndarray) -> np.ndarray:
-    """Row i from column i on, for every row: K(K+1)/2 values, without an index array as large."""
-    return np.concatenate([xtx[i, i:] for i in range(xtx.shape[0])])
+    """Row i from column i on, for every row: K(K+1)/2 values."""
+    return np.take(xtx, _upper(xtx.shape[0]))
 
 
 def unpack_triangle(packed: np.ndarray, features: int) -> np.ndarray:
@@ -43,8 +54,12 @@ class HessianAccumulator:
             raise ValueError(f"features must be positive, got {features}")
         self.features = features
         self.name = name
-        self._full: np.ndarray | None = np.zeros((features, features), dtype=np.float64)
-        self._packed: np.ndarray | None = None
+        # The sum is kept as its upper triangle (XᵀX is exactly symmetric: syrk products
+        # added), half the bytes through calibration and the build, which hold every layer's
+        # (SmolLM2-135M's 211 MatMul inputs: 805 MB in full, 403 MB packed); `_full` only for a
+        # sum rebuilt whole (from_sum, merge) until `pack`.
+        self._full: np.ndarray | None = None
+        self._packed: np.ndarray | None = np.zeros(features * (features + 1) // 2, np.float64)
         self.rows = 0
 
     @property
@@ -60,9 +75,7 @@ class HessianAccumulator:
         self._full, self._packed = value, None
 
     def pack(self) -> None:
-        """Hold only the upper triangle once accumulation is over: XᵀX is exactly symmetric
-        (syrk products added), and the build holds every layer's sum at once (SmolLM2-135M's
-        211 MatMul inputs: 805 MB in full, 403 MB packed) next to the float model."""
+        """Hold a sum rebuilt whole (from_sum, merge) as its upper triangle again."""
         if self._full is not None:
             self._packed, self._full = pack_triangle(self._full), None
 
@@ -78,9 +91,10 @@ class HessianAccumulator:
         product = flat.T @ flat  # BLAS syrk: exactly symmetric
         if not np.all(np.isfinite(product)):
             raise DataError(f"tensor {self.name!r} contains NaN or Inf (or overflows float32)")
-        if self._full is None:  # packed by an earlier pass: accumulate in full again
-            self._full, self._packed = self.xtx, None
-        self._full += product
+        if self._full is not None:
+            self._full += product
+        else:  # the same float64 additions, on the triangle only
+            self._packed += np.take(product, _upper(self.features))
         self.rows += flat.shape[0]
 
     def merge(self, other: HessianAccumulator) -> HessianAccumulator:
