@@ -320,6 +320,24 @@ def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
     assert contents[True] == contents[False]
 
 
+def test_a_staged_model_is_compared_with_plain_minmax(low_staging, cli, tmp_path):
+    """A range method other than min-max builds the plain min-max model too and scores both
+    on the tuning rows. Built from a staged float model, both keep lazy float weights (fc2
+    stays float); the files ONNX Runtime scores read them in, since it refuses their absolute
+    locations (examples/smollm failed there: 'Absolute path not allowed')."""
+    recipe, _ = write_case(tmp_path, mlp(), float_model="auto")
+    spec = yaml.safe_load(recipe.read_text())
+    spec["calibration"]["method"] = "percentile"
+    spec["quantization"] = {"overrides": [{"nodes": "/fc2/MatMul", "precision": "float"}]}
+    recipe.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["model_choice"]["kept"] in ("recipe", "minmax")
+    assert report["model_choice"]["tuning_samples"] > 0
+    assert_no_temporaries(tmp_path / "out")
+
+
 def _no_materialize(self) -> None:
     raise AssertionError("the build read the whole staged float model in")
 

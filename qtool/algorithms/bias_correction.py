@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from qtool.calibration.collect import session_with_outputs
 from qtool.errors import CalibrationError, DataError
 from qtool.metrics.signal import SignalQuality
-from qtool.model import external_data
+from qtool.model.inline_write import write_model
 from qtool.ort.sessions import create_session, ort_reason
 
 # Ops whose bias input (index 2) adds one value per output channel on this axis.
@@ -261,7 +261,7 @@ def output_error(
         paths = []
         for label, model in (("float", float_model), ("quant", quantized)):
             path = Path(tmp) / f"{label}.onnx"
-            external_data.write_model(model, path)  # over 2 GB: with external data
+            write_model(model, path)  # over 2 GB: with external data
             paths.append(path)
         reference = create_session(paths[0], spinning=False)
         candidate = create_session(paths[1], optimize=False, spinning=False)

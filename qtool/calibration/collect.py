@@ -37,7 +37,7 @@ from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.observers import HistogramObserver, TensorStats
 from qtool.data.batches import Batch
 from qtool.errors import CalibrationError, ModelError
-from qtool.model import external_data
+from qtool.model.inline_write import write_model
 from qtool.ort.sessions import create_session, ort_reason
 from qtool.phases import phase
 from qtool.progress import bars
@@ -85,7 +85,7 @@ def save_with_extra_outputs(
     keep = len(outputs)
     outputs.extend(extra)
     try:
-        external_data.write_model(model, path)
+        write_model(model, path)
     finally:
         del outputs[keep:]
 

@@ -58,7 +58,6 @@ __all__ = [
     "save_model",
     "stage_model",
     "weightless_copy",
-    "write_model",
 ]
 
 # protobuf refuses to serialize or parse a message of this size or more.
@@ -234,7 +233,7 @@ def _goes_external(tensor: TensorProto, keep: Collection[str] = ()) -> bool:
 # reference whose location is an absolute path (a staged float model's data file). qtool reads
 # one at a time (`tensor_array`) and copies their bytes when it writes the model (`_layout`);
 # ONNX Runtime and onnx's loader refuse absolute locations, so such a model is never handed to
-# either: it is written first (stage_model, save_model, write_model).
+# either: it is written first (stage_model, save_model, inline_write.write_model).
 
 
 def lazy_file(tensor: TensorProto) -> tuple[Path, int, int] | None:
@@ -384,15 +383,6 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
     path.write_bytes(_serialize_skeleton(layout.skeleton, model.graph.name))
     with open(path.parent / data_location(path), "wb") as handle:
         _write_data(layout, handle, hashlib.sha256())
-
-
-def write_model(model: onnx.ModelProto, path: Path) -> None:
-    """Write a temporary model file for ONNX Runtime: one protobuf when it fits, else `save_model`
-    (the skeleton plus `path`.data)."""
-    if needs_external_data(model):
-        save_model(model, path)
-    else:
-        Path(path).write_bytes(model.SerializeToString())
 
 
 def check_model(model: onnx.ModelProto, serialized: bytes | None = None) -> None:

@@ -14,6 +14,7 @@ parts' sizes and the lazy weights' recorded lengths.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import BinaryIO
 
 import onnx
@@ -21,7 +22,14 @@ from google.protobuf.message import Message
 from onnx import TensorProto
 
 from qtool.errors import ModelError
-from qtool.model.external_data import PROTOBUF_LIMIT, copy_fields, lazy_file
+from qtool.model.external_data import (
+    PROTOBUF_LIMIT,
+    copy_fields,
+    is_lazy,
+    lazy_file,
+    needs_external_data,
+    save_model,
+)
 
 _GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
 _INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
@@ -128,3 +136,16 @@ def write_inline(model: onnx.ModelProto, handle: BinaryIO) -> int:
     handle.write(graph_tail)
     handle.write(model_tail)
     return total
+
+
+def write_model(model: onnx.ModelProto, path: Path) -> None:
+    """Write a temporary model file for ONNX Runtime: one protobuf when it fits (its lazy
+    weights read in as it is written: ONNX Runtime refuses their absolute locations), else
+    `save_model` (the skeleton plus `path`.data)."""
+    if needs_external_data(model):
+        save_model(model, path)
+    elif is_lazy(model):  # a model built from a staged float model keeps some of its weights
+        with open(path, "wb") as handle:
+            write_inline(model, handle)
+    else:
+        Path(path).write_bytes(model.SerializeToString())

@@ -30,7 +30,7 @@ from qtool.data.batches import Batch
 from qtool.errors import DataError, ModelError
 from qtool.metrics.labels import LabelAccuracy
 from qtool.metrics.signal import SignalQuality, json_float
-from qtool.model import external_data
+from qtool.model.inline_write import write_model
 from qtool.ort.sessions import as_declared, create_session, ort_reason, runs_by_rows
 from qtool.phases import phase
 from qtool.pipeline import planning
@@ -156,7 +156,7 @@ def score_models(
         paths = {}
         for name, model in candidates.items():
             paths[name] = Path(tmp) / f"{name}.onnx"
-            external_data.write_model(model, paths[name])  # over 2 GB: with external data
+            write_model(model, paths[name])  # over 2 GB: with external data
         sessions = {
             name: create_session(path, optimize=False, spinning=False)
             for name, path in paths.items()
