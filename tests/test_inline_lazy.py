@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.errors import ModelError
-from qtool.model import external_data
+from qtool.model import external_data, inline_lazy
 from qtool.model.external_data import is_lazy, lazy_file, read_lazy_weights, tensor_array
 from qtool.model.inline_lazy import load_inline_lazy
 from qtool.model.inline_write import write_inline
@@ -128,3 +128,54 @@ def test_a_weight_shorter_than_its_dims_is_named(tmp_path, monkeypatch):
         r"but holds 98300 bytes of data",
     ):
         load_onnx(path)
+
+
+def test_every_command_runs_on_a_large_single_file_model(tmp_path, monkeypatch, cli):
+    """calibrate, quantize and evaluate on a single-file model read lazily (the threshold
+    lowered): the weights stay in the user's file until staging, every ORT session gets files
+    it accepts, and the quantized model matches what the ordinary load gives."""
+    import json
+
+    import yaml
+    from test_external_data import FEATURES, mlp
+
+    contents = {}
+    for lazy in (False, True):
+        folder = tmp_path / ("lazy" if lazy else "whole")
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(mlp().SerializeToString())
+        x = np.random.default_rng(1).standard_normal((64, FEATURES)).astype(np.float32)
+        np.savez(folder / "data.npz", x=x)
+        recipe = {
+            "model": {"onnx": "model.onnx"},
+            "inputs": {"x": [1, FEATURES]},
+            "calibration": {"data": {"npz": "data.npz"}, "batch_size": 16, "method": "percentile"},
+            "evaluation": {"data": {"npz": "data.npz"}, "batch_size": 32},
+            "output": {"dir": "out"},
+        }
+        (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+        read_lazily = []
+
+        def load_and_count(path, digest=None, seen=read_lazily):
+            model = load_inline_lazy(path, digest)
+            seen.append(model is not None and is_lazy(model))
+            return model
+
+        with monkeypatch.context() as patch:
+            patch.setattr(inline_lazy, "load_inline_lazy", load_and_count)
+            if lazy:
+                patch.setattr(external_data, "STAGE_WEIGHTS_THRESHOLD", 64 << 10)
+            for command in ("calibrate", "quantize", "evaluate"):
+                result = cli(command, folder / "recipe.yaml", "--no-progress")
+                assert result.exit_code == 0, (command, result.stderr)
+        # calibrate and quantize read the user's file (evaluate reads the float copy they wrote)
+        assert read_lazily == ([True, True] if lazy else [])
+        report = json.loads((folder / "out" / "report.json").read_text())
+        assert report["size"]["source_model_bytes"] == (folder / "model.onnx").stat().st_size
+        (written,) = (folder / "out").glob("model.int*.onnx")
+        model = onnx.load(str(written))
+        kept = [p for p in model.metadata_props if not p.key.startswith("qtool.")]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
+        contents[lazy] = model.SerializeToString()
+    assert contents[True] == contents[False]
