@@ -328,7 +328,9 @@ def _scaled_hessians(
         inverse = 1.0 / choice.scale.astype(np.float64)
         xtx = acc.xtx * inverse[:, None] * inverse[None, :]
         scaled = HessianAccumulator.from_sum(xtx, acc.rows, reads[group.input])
-        scaled.pack()  # held with the unscaled ones through the build
+        # held with the unscaled ones through the build: packed, its upper triangle mirrored
+        # (each entry above rounds twice, in an order that can leave the triangles a bit apart)
+        scaled.pack()
         out[reads[group.input]] = scaled
     return out
 

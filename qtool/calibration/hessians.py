@@ -75,7 +75,10 @@ class HessianAccumulator:
         self._full, self._packed = value, None
 
     def pack(self) -> None:
-        """Hold a sum rebuilt whole (from_sum, merge) as its upper triangle again."""
+        """Hold a sum rebuilt whole (from_sum, merge) as its upper triangle again. A sum built
+        by `update` or merged is exactly symmetric, so nothing changes; one built from a product
+        that rounds each entry on its own (AWQ's diag(1/s) XᵀX diag(1/s): the two triangles
+        differ in the last bit) keeps its upper triangle, mirrored."""
         if self._full is not None:
             self._packed, self._full = pack_triangle(self._full), None
 

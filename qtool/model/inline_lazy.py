@@ -24,18 +24,20 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
-from qtool.errors import ModelError
+from qtool.errors import ModelError, first_line
+from qtool.model.wire_format import (
+    FIXED32,
+    FIXED64,
+    GRAPH,
+    INITIALIZER,
+    LENGTH_DELIMITED,
+    RAW_DATA,
+    VARINT,
+)
 
-# protobuf field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer,
-# TensorProto.raw_data.
-_MODEL_GRAPH = 7
-_GRAPH_INITIALIZER = 5
-_TENSOR_RAW_DATA = 9
 # An initializer smaller than this is parsed whole; a larger one is walked field by field.
 _WALK_BYTES = 64 << 10
 _HASH_CHUNK = 16 << 20
-
-_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 
 class _Unexpected(Exception):
@@ -63,16 +65,16 @@ def _spans(handle: BinaryIO, end: int) -> list[tuple[int, int, int, int]]:
         start = handle.tell()
         key = _read_varint(handle)
         number, wire = key >> 3, key & 7
-        if wire == _VARINT:
+        if wire == VARINT:
             _read_varint(handle)
             payload = stop = handle.tell()
-        elif wire == _LENGTH:
+        elif wire == LENGTH_DELIMITED:
             length = _read_varint(handle)
             payload = handle.tell()
             stop = payload + length
-        elif wire in (_FIXED64, _FIXED32):
+        elif wire in (FIXED64, FIXED32):
             payload = handle.tell()
-            stop = payload + (8 if wire == _FIXED64 else 4)
+            stop = payload + (8 if wire == FIXED64 else 4)
         else:
             raise _Unexpected(f"wire type {wire} (groups are not used by onnx.proto)")
         if stop > end:
@@ -99,15 +101,13 @@ def _lazy_tensor(handle: BinaryIO, path: Path, start: int, stop: int) -> TensorP
     meta = bytearray()
     raw: tuple[int, int] | None = None
     for number, wire, field_start, payload, field_stop in _spans(handle, stop):
-        if number == _TENSOR_RAW_DATA and wire == _LENGTH:
+        if number == RAW_DATA and wire == LENGTH_DELIMITED:
             raw = (payload, field_stop - payload)  # the last one wins, as in protobuf
         else:
             meta += _read(handle, field_start, field_stop)
     tensor = TensorProto.FromString(bytes(meta))
     if raw is None or tensor.data_location == TensorProto.EXTERNAL:
         raise _Unexpected(f"initializer {tensor.name!r} is large but not stored as raw_data")
-    if tensor.HasField("data_location"):
-        tensor.ClearField("data_location")
     tensor.data_location = TensorProto.EXTERNAL
     for key, value in (("location", str(path)), ("offset", raw[0]), ("length", raw[1])):
         entry = tensor.external_data.add()
@@ -120,7 +120,7 @@ def _graph(handle: BinaryIO, path: Path, start: int, stop: int) -> onnx.GraphPro
     rest = bytearray()
     initializers: list[TensorProto] = []
     for number, wire, field_start, payload, field_stop in _spans(handle, stop):
-        if number == _GRAPH_INITIALIZER and wire == _LENGTH:
+        if number == INITIALIZER and wire == LENGTH_DELIMITED:
             initializers.append(_lazy_tensor(handle, path, payload, field_stop))
         else:
             rest += _read(handle, field_start, field_stop)
@@ -134,7 +134,7 @@ def _scan(handle: BinaryIO, path: Path, size: int) -> onnx.ModelProto:
     rest = bytearray()
     graphs = []
     for number, wire, field_start, payload, field_stop in _spans(handle, size):
-        if number == _MODEL_GRAPH and wire == _LENGTH:
+        if number == GRAPH and wire == LENGTH_DELIMITED:
             graphs.append((payload, field_stop))
         else:
             rest += _read(handle, field_start, field_stop)
@@ -162,5 +162,5 @@ def load_inline_lazy(path: Path, digest: hashlib._Hash | None = None) -> onnx.Mo
                 while chunk := handle.read(_HASH_CHUNK):
                     digest.update(chunk)
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model file ({exc})") from None
+        raise ModelError(f"{path}: cannot read the model file ({first_line(exc)})") from None
     return model

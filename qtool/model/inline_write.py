@@ -30,30 +30,11 @@ from qtool.model.external_data import (
     needs_external_data,
     save_model,
 )
+from qtool.model.wire_format import GRAPH, INITIALIZER, RAW_DATA, encode_varint, length_key
 
-_GRAPH = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
-_INITIALIZER = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
-_RAW_DATA = TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
 # What a lazy weight carries that its inline form does not (read_lazy_weights clears them).
 _REFERENCE_FIELDS = frozenset({"external_data", "data_location"})
-_LENGTH_DELIMITED = 2
 _CHUNK = 16 << 20
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def _key(number: int) -> bytes:
-    return _varint((number << 3) | _LENGTH_DELIMITED)
 
 
 def _part(message: Message, keep: Callable[[int], bool], skip: frozenset[str] = frozenset()):
@@ -75,14 +56,14 @@ class _Initializer:
             self.head, self.tail = tensor.SerializeToString(), b""
             self.length = len(self.head)
             return
-        self.head = _part(tensor, lambda n: n < _RAW_DATA)
-        self.tail = _part(tensor, lambda n: n > _RAW_DATA, _REFERENCE_FIELDS)
+        self.head = _part(tensor, lambda n: n < RAW_DATA)
+        self.tail = _part(tensor, lambda n: n > RAW_DATA, _REFERENCE_FIELDS)
         size = self.lazy[2]
-        self.raw_key = _key(_RAW_DATA) + _varint(size)
+        self.raw_key = length_key(RAW_DATA) + encode_varint(size)
         self.length = len(self.head) + len(self.raw_key) + size + len(self.tail)
 
     def write(self, handle: BinaryIO) -> None:
-        handle.write(_key(_INITIALIZER) + _varint(self.length))
+        handle.write(length_key(INITIALIZER) + encode_varint(self.length))
         handle.write(self.head)
         if self.lazy is not None:
             handle.write(self.raw_key)
@@ -114,15 +95,15 @@ def write_inline(model: onnx.ModelProto, handle: BinaryIO) -> int:
     ships with external data: external_data.stage_model)."""
     graph = model.graph
     initializers = [_Initializer(tensor) for tensor in graph.initializer]
-    graph_head = _part(graph, lambda n: n < _INITIALIZER)
-    graph_tail = _part(graph, lambda n: n > _INITIALIZER)
+    graph_head = _part(graph, lambda n: n < INITIALIZER)
+    graph_tail = _part(graph, lambda n: n > INITIALIZER)
     graph_length = len(graph_head) + len(graph_tail)
     graph_length += sum(
-        len(_key(_INITIALIZER) + _varint(i.length)) + i.length for i in initializers
+        len(length_key(INITIALIZER) + encode_varint(i.length)) + i.length for i in initializers
     )
-    model_head = _part(model, lambda n: n < _GRAPH)
-    model_tail = _part(model, lambda n: n > _GRAPH)
-    graph_key = _key(_GRAPH) + _varint(graph_length)
+    model_head = _part(model, lambda n: n < GRAPH)
+    model_tail = _part(model, lambda n: n > GRAPH)
+    graph_key = length_key(GRAPH) + encode_varint(graph_length)
     total = len(model_head) + len(graph_key) + graph_length + len(model_tail)
     if total >= PROTOBUF_LIMIT:
         raise ModelError(
