@@ -25,8 +25,10 @@ from qtool.config.recipe import load_recipe
 from qtool.errors import DataError, ModelError
 from qtool.ort.sessions import create_session
 from qtool.plan.ops.targets import ORT_CPU_INTEGER_KERNELS as INTEGER_OPS
+from qtool.metrics.signal import SignalQuality
+from qtool.runtime import fused_vs_unfused
+from qtool.runtime.fused_vs_unfused import compare_fused_unfused, run_unfused
 from qtool.runtime.fusion import (
-    compare_fused_unfused,
     fusion_summary,
     fusion_truth,
     optimized_graph,
@@ -523,6 +525,33 @@ def test_integer_kernels_differ_from_the_literal_qdq_graph(cnn):
     # Requantization rounding (and, on x86 without VNNI, saturation) makes them differ; the
     # outputs still agree far better than noise.
     assert math.isfinite(sqnr["output"]) and sqnr["output"] > 10.0
+
+
+def test_the_spilled_reference_gives_the_sqnr_of_both_runs_in_memory(cnn, monkeypatch):
+    """The unfused outputs wait on disk and are read back in slices (here 7 values, and a
+    batch of 3 run a row at a time): the SQNR is the one of both runs' whole arrays, and the
+    scratch folder is gone afterwards."""
+    model_path, _ = cnn
+    rng = np.random.default_rng(3)
+    feeds = [{"image": rng.standard_normal((3, 3, 8, 8)).astype(np.float32)} for _ in range(2)]
+    fused = create_session(model_path, threads=1, optimize=True)
+    unfused = create_session(model_path, threads=1, optimize=False)
+    expected = SignalQuality()
+    for feed in feeds:  # row by row, as the runs below (kernels may block a batch otherwise)
+        for row in range(3):
+            one = {"image": feed["image"][row : row + 1]}
+            expected.update(unfused.run(None, one)[0], fused.run(None, one)[0])
+    monkeypatch.setattr(fused_vs_unfused, "CHUNK_ELEMENTS", 7)
+    monkeypatch.setattr("qtool.ort.sessions.RUN_ELEMENTS", 1)
+    reference = run_unfused(model_path, feeds)
+    assert [(run.batch, run.rows) for run in reference.runs] == [
+        (batch, slice(row, row + 1)) for batch in range(2) for row in range(3)
+    ]
+    folder = reference.runs[0].files[0].parent
+    assert folder.is_dir()
+    sqnr = compare_fused_unfused(model_path, feeds, fused=fused, reference=reference)
+    assert sqnr["output"] == pytest.approx(expected.sqnr_db(), rel=1e-9)
+    assert not folder.exists()
 
 
 def test_compare_rejects_empty_and_mismatched_feeds(mlp):

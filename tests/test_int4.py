@@ -314,3 +314,30 @@ def test_signed_scales_use_all_sixteen_levels_and_never_reconstruct_worse():
     assert np.all(signed.values[5, :12][flipped] == -8)  # ...which puts the outlier on -8
     mse = quantize_blockwise(weight, block_size=16, bits=4, method="mse", signed_scales=True)
     assert np.all(block_errors(mse) <= block_errors(signed) + 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("bits", "symmetric", "method", "signed"),
+    [(8, True, "minmax", False), (4, False, "mse", False), (4, True, "minmax", True)],
+)
+def test_blockwise_in_column_chunks_gives_the_same_bytes(
+    monkeypatch, bits, symmetric, method, signed
+):
+    """A large weight is quantized a few columns at a time (an embedding table whole took four
+    float32 copies of itself): the chunks, here 3 columns with a short last block, change no
+    byte."""
+    from qtool.write import int4
+
+    weight = np.random.default_rng(7).standard_normal((21, 40)).astype(np.float32)
+    options = dict(
+        bits=bits, block_size=8, symmetric=symmetric, method=method, axis=0, signed_scales=signed
+    )
+    whole = int4.quantize_blockwise(weight, **options)
+    monkeypatch.setattr(int4, "_CHUNK_ELEMENTS", 3 * 24)
+    chunked = int4.quantize_blockwise(weight, **options)
+    np.testing.assert_array_equal(chunked.values, whole.values)
+    np.testing.assert_array_equal(chunked.scale, whole.scale)
+    if symmetric:
+        assert chunked.zero_point is None and whole.zero_point is None
+    else:
+        np.testing.assert_array_equal(chunked.zero_point, whole.zero_point)

@@ -4,7 +4,8 @@ planned node, and describe all of it in report.json."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import onnx
 
 from qtool import __version__
 from qtool.data.source import BatchSource
-from qtool.errors import ModelError, QtoolError
+from qtool.errors import DataError, ModelError, QtoolError
 from qtool.io import Staged, stage
 from qtool.model import external_data, provenance
 from qtool.model.inline_write import write_inline
@@ -25,6 +26,7 @@ from qtool.pipeline.float_model import FloatModel
 from qtool.plan.plan import Plan
 from qtool.report import ReportHeader, build_report
 from qtool.runtime.bf16_emulation import EMULATED, emulated, has_bf16
+from qtool.runtime.fused_vs_unfused import run_unfused
 from qtool.runtime.fusion import optimized_session
 from qtool.runtime.tensorrt_engine import engine_block
 from qtool.runtime.tensorrt_rules import check_placement
@@ -286,46 +288,68 @@ def _verify(
     unfused_only: str | None,
 ) -> Verification:
     """Load `source` as ORT's CPU provider will run it (unfused only for float8) and verify
-    what runs; a model ORT cannot load fails here, named."""
-    try:
-        if unfused_only is not None:
+    what runs; a model ORT cannot load fails here, named. The unfused QDQ run goes first and
+    its outputs wait on disk, so that the two sessions are never alive together."""
+    if unfused_only is not None:
+        with _load_errors_named(source, model_path):
             return verify_unfused_only(
                 source, built.layout.plan, feeds, VERIFY_THREADS, unfused_only
             )
+    with _load_errors_named(source, model_path):
+        reference = run_unfused(source, feeds, VERIFY_THREADS)
+    too_big = _float_bytes(float_model) >= SPEED_CHECK_MAX_BYTES
+    try:
         try:
-            loaded = optimized_session(source, VERIFY_THREADS)
+            # Its memory arena only where the session is timed (the speed check): an LLM's
+            # run grew it by its logits, which nothing reused.
+            loaded = optimized_session(source, VERIFY_THREADS, arena=not too_big)
         except QtoolError as exc:
             if header.quantization.target == "ort-cpu":
-                raise
+                with _load_errors_named(source, model_path):
+                    raise
             # ORT's CPU optimizer is not the target's runtime: a file it cannot load fused is
             # checked unfused, and the report and a warning say so.
+            reference.close()
             why = f"ONNX Runtime's CPU graph optimizations cannot load this file ({exc}); "
             why += "qtool runs it unfused (the QDQ semantics)"
-            checked = verify_unfused_only(source, built.layout.plan, feeds, VERIFY_THREADS, why)
+            with _load_errors_named(source, model_path):
+                checked = verify_unfused_only(source, built.layout.plan, feeds, VERIFY_THREADS, why)
             checked.warnings.append(f"ONNX Runtime CPU check (not the target): {why}")
             return checked
-    except QtoolError as exc:
-        message = str(exc)
-        if isinstance(source, Path):  # name the output, not its temporary file
-            message = message.replace(str(source), str(model_path))
-        raise ModelError(f"the quantized model does not load in ONNX Runtime: {message}") from None
-    too_big = _float_bytes(float_model) >= SPEED_CHECK_MAX_BYTES
-    verification = verify(
-        source,
-        built.layout.plan,
-        feeds,
-        built.cpu,
-        VERIFY_THREADS,
-        target=header.quantization.target,
-        float_model=None if too_big else float_model.session_source(),
-        loaded=loaded,
-    )
+        verification = verify(
+            source,
+            built.layout.plan,
+            feeds,
+            built.cpu,
+            VERIFY_THREADS,
+            target=header.quantization.target,
+            float_model=None if too_big else float_model.session_source(),
+            loaded=loaded,
+            reference=reference,
+        )
+    finally:
+        reference.close()
     if too_big and any(
         n.weight is not None and (n.precision == "int4" or n.activations == "float")
         for n in built.layout.plan.quantized()
     ):
         verification.summary["low_bit_speed"] = {"not_measured": SPEED_NOT_MEASURED}
     return verification
+
+
+@contextmanager
+def _load_errors_named(source: bytes | Path, model_path: Path) -> Iterator[None]:
+    """A model ORT cannot load fails as one ModelError naming the output (not its temporary
+    file); a batch it cannot run (DataError) is left as it is, named by its batch."""
+    try:
+        yield
+    except DataError:
+        raise
+    except QtoolError as exc:
+        message = str(exc)
+        if isinstance(source, Path):
+            message = message.replace(str(source), str(model_path))
+        raise ModelError(f"the quantized model does not load in ONNX Runtime: {message}") from None
 
 
 def _float_bytes(float_model: FloatModel) -> int:

@@ -42,23 +42,16 @@ import math
 import platform
 import re
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from qtool.errors import DataError, ModelError
-from qtool.metrics.signal import SignalQuality
+from qtool.errors import ModelError
 from qtool.ort.sessions import (
-    as_declared,
     create_session,
-    feed_rows,
-    ort_reason,
-    runs_by_rows,
 )
 from qtool.plan.ops import find_rule
 from qtool.plan.ops.registry import NO_FUSION, OrtFusion, float_weight_op_types
@@ -188,7 +181,10 @@ class OptimizedSession:
 
 
 def optimized_session(
-    model: bytes | Path, threads: int = 1, config: dict[str, str] | None = None
+    model: bytes | Path,
+    threads: int = 1,
+    config: dict[str, str] | None = None,
+    arena: bool = True,
 ) -> OptimizedSession:
     """`model` loaded the way ORT's CPU provider runs it, and the graph it runs.
 
@@ -197,10 +193,13 @@ def optimized_session(
     com.microsoft ops (QLinearConv with channels_last, QGemm, ...) and the Transposes of ORT's
     NHWC layout transform; it is hardware specific (ORT warns so when saving) and is meant to be
     read, not shipped. ORT saves it to a temporary folder, large initializers to a side file
-    that is never read back (models over 2 GB can be saved too; the weights are not copied)."""
+    that is never read back (models over 2 GB can be saved too; the weights are not copied).
+    `arena=False`: create_session's, for a session that is not timed."""
     with tempfile.TemporaryDirectory(prefix="qtool-ort-") as folder:
         target = Path(folder) / "optimized.onnx"
-        session = create_session(model, threads=threads, config=config, save_optimized=target)
+        session = create_session(
+            model, threads=threads, config=config, save_optimized=target, arena=arena
+        )
         if not target.is_file():
             name = "<in-memory model>" if isinstance(model, bytes) else str(model)
             raise ModelError(f"ONNX Runtime did not save the optimized graph of {name}")
@@ -653,47 +652,3 @@ def fusion_summary(truth: dict[str, NodeRuntime]) -> dict:
         "by_op_type": dict(sorted(by_op.items())),
         "unfused": unfused,
     }
-
-
-# Fused vs unfused numerics
-
-
-def compare_fused_unfused(
-    quantized: bytes | Path,
-    feeds: Iterable[dict[str, np.ndarray]],
-    threads: int = 1,
-    fused: onnxruntime.InferenceSession | None = None,
-) -> dict[str, float]:
-    """Per model output: SQNR (dB) of the ORT_ENABLE_ALL session against ORT_DISABLE_ALL.
-
-    ORT_DISABLE_ALL runs the QDQ graph literally (DequantizeLinear -> float op -> QuantizeLinear),
-    which is what calibration and sensitivity analysis assume; ORT_ENABLE_ALL runs the integer
-    kernels. Where they differ, the integer kernels round (requantization) or saturate (uint8 x
-    int8 on x86 without VNNI) differently. inf means bit-identical outputs over all batches.
-    The SQNR is qtool.metrics.signal's, the one evaluate and analyze print.
-    """
-    source = quantized if isinstance(quantized, bytes) else Path(quantized)
-    if fused is None:  # else the caller's ORT_ENABLE_ALL session of `quantized`
-        fused = create_session(source, threads=threads, optimize=True)
-    unfused = create_session(source, threads=threads, optimize=False, arena=False)
-    names = [o.name for o in unfused.get_outputs()]
-    quality = {name: SignalQuality() for name in names}
-    batches = 0
-    for index, feed in enumerate(feeds):
-        try:
-            feed = as_declared(feed, unfused)  # an FP16-input model (float_io: float_type)
-            # a large batch (an LLM's logits) runs a few rows at a time: runs_by_rows
-            for rows, reference in runs_by_rows(unfused, names, feed):
-                candidate = fused.run(names, feed_rows(feed, rows))
-                for name, ref, out in zip(names, reference, candidate, strict=True):
-                    quality[name].update(ref, out)
-                # Not alive through the next batch's runs: an LLM's two logits arrays are 1.1 GB
-                # (Gemma 3, 512 tokens), which the unfused run's own peak came on top of.
-                del reference, candidate, ref, out
-        except Exception as exc:  # ORT raises private types for bad feeds
-            reason = ort_reason(exc)
-            raise DataError(f"batch {index} cannot run the quantized model: {reason}") from exc
-        batches += 1
-    if batches == 0:
-        raise DataError("compare_fused_unfused needs at least one batch of inputs")
-    return {name: quality[name].sqnr_db() for name in names}

@@ -30,10 +30,10 @@ from qtool.runtime.fused_gap import (
     kernel_advice,
     kernel_cause,
 )
+from qtool.runtime.fused_vs_unfused import UnfusedReference, compare_fused_unfused, run_unfused
 from qtool.runtime.fusion import (
     FUSED,
     OptimizedSession,
-    compare_fused_unfused,
     fusion_summary,
     fusion_truth,
     optimized_session,
@@ -177,13 +177,38 @@ def verify(
     target: str = "ort-cpu",
     float_model: bytes | Path | None = None,
     loaded: OptimizedSession | None = None,
+    reference: UnfusedReference | None = None,
 ) -> Verification:
     """Fill `plan`'s runtime truth and return the summary and the warnings to show the user.
 
     `quantized`: the serialized model, or its path (models with external data, over 2 GB).
-    `loaded`: its optimized_session with `threads`, when the caller loaded it already."""
-    if loaded is None:
-        loaded = optimized_session(quantized, threads)
+    `loaded`: its optimized_session with `threads`, when the caller loaded it already.
+    `reference`: run_unfused's outputs on `feeds`, made before `loaded` (closed here)."""
+    if reference is None and loaded is None:  # unfused first: never both sessions at once
+        reference = run_unfused(quantized, feeds, threads)
+    try:
+        if loaded is None:
+            loaded = optimized_session(quantized, threads)
+        return _verify_loaded(
+            quantized, plan, feeds, target_cpu, threads, target, float_model, loaded, reference
+        )
+    finally:
+        if reference is not None:
+            reference.close()
+
+
+def _verify_loaded(
+    quantized: bytes | Path,
+    plan: Plan,
+    feeds: Sequence[dict[str, np.ndarray]],
+    target_cpu: CpuFeatures,
+    threads: int,
+    target: str,
+    float_model: bytes | Path | None,
+    loaded: OptimizedSession,
+    reference: UnfusedReference | None,
+) -> Verification:
+    """verify's work once the fused session is loaded (and the unfused reference made)."""
     # Planned op types: fusion_truth accepts the op a node's registry entries write it as.
     planned = {node.name: node.op_type for node in plan.quantized()}
     truth = fusion_truth(quantized, planned, threads, loaded.graph)
@@ -205,7 +230,7 @@ def verify(
         if entry["name"] not in weight_only
     ]
     here = detect_cpu()
-    sqnr = compare_fused_unfused(quantized, feeds, threads, loaded.session)
+    sqnr = compare_fused_unfused(quantized, feeds, threads, loaded.session, reference)
     summary["fused_vs_unfused_sqnr_db"] = {name: json_float(v) for name, v in sqnr.items()}
     summary["verified_on_cpu"] = here.to_dict()
     gap_warning = _fused_gap_warning(sqnr, plan, loaded, here)

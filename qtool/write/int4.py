@@ -342,6 +342,43 @@ def _check_weight(weight: np.ndarray, name: str) -> np.ndarray:
     return weight
 
 
+def _quantize_columns(
+    flat: np.ndarray,
+    n_blocks: int,
+    block_size: int,
+    bits: int,
+    symmetric: bool,
+    grid: tuple[float, ...],
+    device: str,
+    signed_scales: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """_quantize_blocks of `flat` [length, columns] (blocks along the rows), a few columns at a
+    time: every step is per (block, column), so the bytes are the same as in one go, and the
+    float temporaries stay one chunk (a 262144 x 640 embedding table quantized whole took four
+    float32 copies of itself, 2.7 GB, at once)."""
+    length, columns = flat.shape
+    rows = n_blocks * block_size
+    step = max(1, _CHUNK_ELEMENTS // rows)
+    values = scale = zero = None
+    for start in range(0, columns, step):
+        stop = min(start + step, columns)
+        padded = np.zeros((rows, stop - start), np.float32)  # zero rows pad the last block
+        padded[:length] = flat[:, start:stop]
+        part_values, part_scale, part_zero = _quantize_blocks(
+            padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid, device, signed_scales
+        )
+        if values is None:
+            values = np.empty((rows, columns), part_values.dtype)
+            scale = np.empty((n_blocks, columns), part_scale.dtype)
+            if part_zero is not None:
+                zero = np.empty((n_blocks, columns), part_zero.dtype)
+        values[:, start:stop] = part_values.reshape(rows, -1)
+        scale[:, start:stop] = part_scale
+        if zero is not None:
+            zero[:, start:stop] = part_zero
+    return values, scale, zero
+
+
 def quantize_blockwise(
     weight: np.ndarray,
     *,
@@ -369,12 +406,10 @@ def quantize_blockwise(
     length = moved.shape[0]
     flat = moved.reshape(length, -1)
     n_blocks = -(-length // block_size)
-    padded = np.zeros((n_blocks * block_size, flat.shape[1]), np.float32)
-    padded[:length] = flat
-    values, scale, zero = _quantize_blocks(
-        padded.reshape(n_blocks, block_size, -1), bits, symmetric, grid, device, signed_scales
+    values, scale, zero = _quantize_columns(
+        flat, n_blocks, block_size, bits, symmetric, grid, device, signed_scales
     )
-    values = values.reshape(n_blocks * block_size, -1)[:length]
+    values = values[:length]
 
     def restore(a: np.ndarray, first: int) -> np.ndarray:
         return np.ascontiguousarray(np.moveaxis(a.reshape(first, *moved.shape[1:]), 0, axis))

@@ -177,7 +177,7 @@ def write_qdq_model(
         if node.name in folded or node.name in tied_transposes:
             continue
         if node.op_type == "Gather" and node.input[0] in tables:
-            body.append(tables[node.input[0]].gather(node))
+            body.extend(tables[node.input[0]].gather(node))
             body.extend(pairs_after.get(node.output[0], []))
             continue
         if node.name in tied_matmuls:

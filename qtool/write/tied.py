@@ -5,12 +5,21 @@ MatMul (qtool/model/tie_weights.py). Quantized in blocks along D (the plan's lay
 qtool/plan/ops/matmul.py), W is already in MatMulNBits' own layout: B is [N, K] = [V, D] in
 blocks along K. com.microsoft GatherBlockQuantized reads uint8 data "with MatMulNBits'
 conventions" (ORT's words: packed two 4-bit values per byte, low nibble first, unsigned with a
-default zero point of 8, or 128 for 8 bits), so one set of initializers serves both:
+default zero point of 8, or 128 for 8 bits), so one table serves both:
 
-    {W}_quantized   uint8 [V, D * bits / 8]      GatherBlockQuantized data
-    {W}_scale       float [V, D / block]         both
-    {W}_zero_point  uint8 [V, ceil(blocks * bits / 8)], asymmetric only (packed like the data)
-    Reshape({W}_quantized, [V, blocks, block * bits / 8]) -> MatMulNBits B (ORT folds it at load)
+    {W}_quantized   uint8 [V, blocks, block * bits / 8]   MatMulNBits B, GatherBlockQuantized data
+    {W}_scale       float [V, blocks]                     MatMulNBits
+    {W}_zero_point  uint8 [V, ceil(blocks * bits / 8)]    MatMulNBits, asymmetric only
+    Reshape({W}_scale, [V, blocks, 1])                    GatherBlockQuantized (quantize_axis 2)
+    Reshape({W}_zero_point, [V, blocks, 1])               the same, 8 bits; 4 bits: its own
+                                                          uint8 [V, blocks, 1] (one nibble a byte)
+    Reshape(GatherBlockQuantized's [.., blocks, block], Shape(indices) ++ [D]) -> Gather output
+
+The table is MatMulNBits' B itself, not a Reshape of it: ORT prepacks an initializer B once, but
+a B computed by a node (the Reshape an unfused session does not fold) it dequantized whole on
+every run (Gemma 3's 262144 x 640 table: 0.67 GB a run), and the folded Reshape of a fused
+session held a second copy of the table. The Reshapes left are of the scales (V x blocks) and of
+a gathered activation.
 
 Checked on ORT 1.31: both 4- and 8-bit, symmetric and asymmetric, reproduce DequantizeLinear's
 values exactly (tests/test_tied_embeddings.py). The file then holds the table once, and both
@@ -58,68 +67,91 @@ class TiedTable:
     def data(self) -> str:
         return f"{self.name}_quantized"
 
-    @property
-    def matmul_b(self) -> str:
-        return f"{self.name}_nbits"
-
-    def _inputs_after_data(self) -> list[str]:
+    def _matmul_tail(self) -> list[str]:
         tail = [f"{self.name}_scale"]
         if self.bw.zero_point is not None:
             tail.append(f"{self.name}_zero_point")
+        return tail
+
+    def _gather_tail(self) -> list[str]:
+        tail = [f"{self.name}_scale_blocks"]
+        if self.bw.zero_point is not None:
+            tail.append(f"{self.name}_zero_point_blocks")
         return tail
 
     def initializers(self) -> list[onnx.TensorProto]:
         bw = self.bw
         offset = 0 if bw.zero_point is not None else 1 << (bw.bits - 1)  # signed -> unsigned
         unsigned = (bw.values.astype(np.int16) + offset).astype(np.uint8)
+        by_block = unsigned.reshape(self.rows, self.blocks, self.block)
         tensors = [
-            numpy_helper.from_array(_pack(unsigned, bw.bits), self.data),
+            numpy_helper.from_array(_pack(by_block, bw.bits), self.data),
             numpy_helper.from_array(
-                np.ascontiguousarray(bw.scale, np.float32), self._inputs_after_data()[0]
+                np.ascontiguousarray(bw.scale, np.float32), self._matmul_tail()[0]
             ),
             numpy_helper.from_array(
-                np.array([self.rows, self.blocks, self.block * bw.bits // 8], np.int64),
-                f"{self.name}_nbits_shape",
+                np.array([self.rows, self.blocks, 1], np.int64), f"{self.name}_blocks_shape"
             ),
+            numpy_helper.from_array(np.array([self.columns], np.int64), f"{self.name}_row_shape"),
         ]
         if bw.zero_point is not None:
-            zero = _pack(np.asarray(bw.zero_point, np.uint8), bw.bits)
-            tensors.append(numpy_helper.from_array(zero, f"{self.name}_zero_point"))
+            zero = np.asarray(bw.zero_point, np.uint8)
+            tensors.append(numpy_helper.from_array(_pack(zero, bw.bits), self._matmul_tail()[1]))
+            if bw.bits == 4:  # GatherBlockQuantized packs along its one-block axis: a nibble a byte
+                tensors.append(
+                    numpy_helper.from_array(
+                        zero.reshape(self.rows, self.blocks, 1), self._gather_tail()[1]
+                    )
+                )
         return tensors
 
     def head_nodes(self) -> list[onnx.NodeProto]:
-        """The Reshape of the data into MatMulNBits' [N, blocks, block bytes] B."""
+        """The Reshapes of the scales (and 8-bit zero points) into GatherBlockQuantized's
+        [V, blocks, 1]."""
+        shape = f"{self.name}_blocks_shape"
+        pairs = list(zip(self._matmul_tail(), self._gather_tail(), strict=True))
+        if self.bw.bits == 4:
+            pairs = pairs[:1]  # its zero points are an initializer of their own
         return [
-            helper.make_node(
-                "Reshape",
-                [self.data, f"{self.name}_nbits_shape"],
-                [self.matmul_b],
-                name=f"{self.name}_nbits_Reshape",
-            )
+            helper.make_node("Reshape", [source, shape], [target], name=f"{target}_Reshape")
+            for source, target in pairs
         ]
 
-    def gather(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        """GatherBlockQuantized replacing the Gather `node` (its name kept, for the Plan)."""
-        data, indices = self.data, node.input[1]
-        tail = self._inputs_after_data()
-        inputs = [data, indices, tail[0], *tail[1:]]
-        return helper.make_node(
-            "GatherBlockQuantized",
-            inputs,
-            list(node.output),
-            name=node.name,
-            domain=MS_DOMAIN,
-            gather_axis=0,
-            quantize_axis=1,
-            block_size=self.block,
-            bits=self.bw.bits,
-        )
+    def gather(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """GatherBlockQuantized replacing the Gather `node` (its name kept, for the Plan), and
+        the Reshape of its [.., blocks, block] rows into the Gather's output [.., D]."""
+        indices, output = node.input[1], node.output[0]
+        by_block, shape = f"{output}_blocks", f"{output}_shape"
+        return [
+            helper.make_node(
+                "GatherBlockQuantized",
+                [self.data, indices, *self._gather_tail()],
+                [by_block],
+                name=node.name,
+                domain=MS_DOMAIN,
+                gather_axis=0,
+                quantize_axis=2,
+                block_size=self.block,
+                bits=self.bw.bits,
+            ),
+            helper.make_node(
+                "Shape", [indices], [f"{output}_indices_shape"], name=f"{output}_Shape"
+            ),
+            helper.make_node(
+                "Concat",
+                [f"{output}_indices_shape", f"{self.name}_row_shape"],
+                [shape],
+                name=f"{output}_Concat",
+                axis=0,
+            ),
+            helper.make_node("Reshape", [by_block, shape], [output], name=f"{output}_Reshape"),
+        ]
 
     def matmul(self, node: onnx.NodeProto, accuracy_level: int) -> onnx.NodeProto:
         """MatMulNBits replacing MatMul(x, Transpose(W)) `node` (its name kept)."""
         return helper.make_node(
             "MatMulNBits",
-            [node.input[0], self.matmul_b, *self._inputs_after_data()],
+            [node.input[0], self.data, *self._matmul_tail()],
             list(node.output),
             name=node.name,
             domain=MS_DOMAIN,
