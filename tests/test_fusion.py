@@ -23,9 +23,9 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError, ModelError
+from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import create_session
 from qtool.plan.ops.targets import ORT_CPU_INTEGER_KERNELS as INTEGER_OPS
-from qtool.metrics.signal import SignalQuality
 from qtool.runtime import fused_vs_unfused
 from qtool.runtime.fused_vs_unfused import compare_fused_unfused, run_unfused
 from qtool.runtime.fusion import (

@@ -220,3 +220,33 @@ def test_llm_presets_quantize_and_decode(exports, tmp_path, cli, preset):
         for f, q in zip(float_logits, quant_logits, strict=True)
     )
     assert cosine > (0.8 if preset == "int4-llm" else 0.97)
+
+
+def test_an_8_bit_layer_on_the_int4_presets_is_weight_only(tmp_path, cli):
+    """`base: int4-llm` with a layer given 8 bits (an override, as `--auto`'s int8 candidate is
+    one): weight-only 8-bit MatMulNBits, not W8A8 (static int8 activations cost a real LLM
+    +100% perplexity; weight-only int8 +0.3-0.5%)."""
+    recipe = {
+        "base": "int4-llm",
+        "model": {"onnx": str(DATA / "tiny_llama_dynamo.onnx")},
+        "inputs": _inputs(),
+        "calibration": {"data": {"npz": str(_data(tmp_path / "calib.npz", 16, 0))}},
+        "quantization": {
+            "overrides": [
+                {"op_types": "Gather", "precision": "int8"},
+                {"nodes": ["node_linear_1"], "precision": "int8"},
+            ]
+        },
+        "output": {"dir": "out"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("quantize", path, "--no-progress")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    node = next(n for n in report["nodes"] if n["name"] == "node_linear_1")
+    assert node["precision"] == "int8" and node["activations"] == "float"
+    assert node["runtime"]["runs_as"] == "MatMulNBits"
+    (quantized,) = (tmp_path / "out").glob("model.int*.onnx")
+    graph = onnx.load(quantized).graph
+    assert not [n for n in graph.node if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")]
