@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool.app.quantize import quantize
 from qtool.config.recipe import load_recipe
-from qtool.errors import DataError, ModelError
+from qtool.errors import DataError, ModelError, OutputError
 from qtool.metrics.signal import SignalQuality
 from qtool.ort.sessions import create_session
 from qtool.plan.ops.targets import ORT_CPU_INTEGER_KERNELS as INTEGER_OPS
@@ -552,6 +552,28 @@ def test_the_spilled_reference_gives_the_sqnr_of_both_runs_in_memory(cnn, monkey
     sqnr = compare_fused_unfused(model_path, feeds, fused=fused, reference=reference)
     assert sqnr["output"] == pytest.approx(expected.sqnr_db(), rel=1e-9)
     assert not folder.exists()
+
+
+def test_a_full_scratch_folder_is_an_output_error_not_a_bad_batch(mlp, monkeypatch):
+    """The unfused outputs go to the system's temporary folder: when it is full the error says
+    so (and TMPDIR), the batch is not blamed, and nothing is left behind."""
+    model_path, _ = mlp
+    made = []
+    real = fused_vs_unfused.tempfile.TemporaryDirectory
+
+    def tracked(**kwargs):
+        made.append(real(**kwargs))
+        return made[-1]
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fused_vs_unfused.tempfile, "TemporaryDirectory", tracked)
+    monkeypatch.setattr(fused_vs_unfused.np, "save", full)
+    feeds = [{"x": np.zeros((1, 16), np.float32)}]
+    with pytest.raises(OutputError, match="No space left on device.*TMPDIR"):
+        run_unfused(model_path, feeds)
+    assert not Path(made[0].name).exists()
 
 
 def test_compare_rejects_empty_and_mismatched_feeds(mlp):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qtool.errors import DataError, ModelError
+from qtool.errors import DataError, ModelError, OutputError
 from qtool.metrics.signal import CHUNK_ELEMENTS, SignalQuality
 from qtool.ort.sessions import as_declared, create_session, feed_rows, ort_reason, runs_by_rows
 
@@ -75,26 +75,53 @@ def run_unfused(
     try:
         for index, feed in enumerate(feeds):
             try:
-                feed = as_declared(feed, session)  # an FP16-input model (float_io: float_type)
-                # a large batch (an LLM's logits) runs a few rows at a time: runs_by_rows
-                for rows, outputs in runs_by_rows(session, names, feed):
-                    files = tuple(
-                        Path(folder.name) / f"{len(runs)}-{k}.npy" for k in range(len(names))
-                    )
-                    for path, output in zip(files, outputs, strict=True):
-                        np.save(path, np.ascontiguousarray(output), allow_pickle=False)
-                    runs.append(ReferenceRun(index, rows, files))
-                    del outputs  # one run's outputs alive at a time
-            except Exception as exc:  # ORT raises private types for bad feeds
-                raise DataError(
-                    f"batch {index} cannot run the quantized model: {ort_reason(exc)}"
+                batch_runs = list(_rows_and_outputs(session, names, feed, index, folder, len(runs)))
+            except OSError as exc:  # the scratch folder: full or not writable
+                raise OutputError(
+                    f"cannot keep the unfused run's outputs in {folder.name}: {exc} (TMPDIR "
+                    "names the folder qtool uses; verification needs room for the outputs of "
+                    f"{len(feeds)} batches)"
                 ) from exc
+            runs.extend(batch_runs)
         if not runs:
             raise DataError("comparing fused and unfused runs needs at least one batch of inputs")
     except BaseException:
         folder.cleanup()
         raise
     return UnfusedReference(names, runs, folder)
+
+
+def _rows_and_outputs(
+    session: onnxruntime.InferenceSession,
+    names: list[str],
+    feed: dict[str, np.ndarray],
+    batch: int,
+    folder: tempfile.TemporaryDirectory,
+    first: int,
+) -> Iterator[ReferenceRun]:
+    """The runs of one batch, each run's outputs saved as it comes (one run's alive at a time);
+    a batch ORT cannot run raises DataError naming it. A large batch (an LLM's logits) runs a few
+    rows at a time (runs_by_rows)."""
+    runs = None
+    number = first
+    while True:
+        try:
+            if runs is None:  # as_declared: an FP16-input model (float_io: float_type)
+                runs = runs_by_rows(session, names, as_declared(feed, session))
+            step = next(runs, None)
+        except Exception as exc:  # ORT raises private types for bad feeds
+            raise DataError(
+                f"batch {batch} cannot run the quantized model: {ort_reason(exc)}"
+            ) from exc
+        if step is None:
+            return
+        rows, outputs = step
+        files = tuple(Path(folder.name) / f"{number}-{k}.npy" for k in range(len(names)))
+        for path, output in zip(files, outputs, strict=True):
+            np.save(path, np.ascontiguousarray(output), allow_pickle=False)
+        del outputs, step
+        yield ReferenceRun(batch, rows, files)
+        number += 1
 
 
 def compare_fused_unfused(
