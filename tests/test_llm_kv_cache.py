@@ -250,3 +250,34 @@ def test_an_8_bit_layer_on_the_int4_presets_is_weight_only(tmp_path, cli):
     (quantized,) = (tmp_path / "out").glob("model.int*.onnx")
     graph = onnx.load(quantized).graph
     assert not [n for n in graph.node if n.op_type in ("QuantizeLinear", "DynamicQuantizeLinear")]
+
+
+def test_auto_with_the_int4_presets_algorithms_writes_the_plan_it_chose(tmp_path, cli):
+    """`--auto` on `base: int4-llm` (AWQ, scale estimation, GPTQ): every plan it measures is
+    built with the algorithms, and with the plan's precisions. AWQ re-plans the model it scales;
+    from the recipe's settings alone it fell back to the recipe's int4 everywhere, so every plan
+    measured (and the model written) was the recipe's own, whatever plan.yaml said."""
+    data = str(_data(tmp_path / "calib.npz", 16, 0))
+    recipe = {
+        "base": "int4-llm",
+        "model": {"onnx": str(DATA / "tiny_llama_dynamo.onnx")},
+        "inputs": _inputs(),
+        "calibration": {"data": {"npz": data}},
+        "evaluation": {"data": {"npz": data}, "metric": "perplexity", "max_drop": 50},
+        "mixed_precision": {
+            "objective": "size",
+            "candidates": ["int8", "float"],
+            "budget": {"metric": "perplexity", "max_drop": 50},
+            "samples": 8,
+        },
+        "output": {"dir": "out"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("quantize", path, "--auto", "--no-progress")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    chosen = {n["name"]: n["precision"] for n in report["mixed_precision"]["nodes"]}
+    written = {n["name"]: n["precision"] for n in report["nodes"] if n["name"] in chosen}
+    assert set(chosen.values()) <= {"int8", "float"} and "int8" in chosen.values()
+    assert written == chosen

@@ -25,9 +25,10 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool.app.analyze import analyze
 from qtool.config.recipe import load_recipe
 from qtool.errors import DataError
+from qtool.search.budget import Budget
 from qtool.search.flips import FlipModel, poisson_cdf, poisson_median_mean
 from qtool.search.knapsack import Choice, solve
-from qtool.search.penalties import PenaltyScale
+from qtool.search.penalties import PenaltyScale, penalty_scale
 
 K, H, C = 32, 64, 4
 BODY, HEAD = "/body/MatMul", "/head/MatMul"
@@ -240,3 +241,20 @@ def test_a_drop_seen_on_the_subset_is_never_discounted_and_nan_never_fits():
 
 def penalty_scale_for(flips: FlipModel, limit: float) -> PenaltyScale:
     return PenaltyScale("top-1 margin noise", flips.capacity(limit), flips, limit)
+
+
+def test_a_perplexity_budget_adds_its_rises_where_a_step_metric_counts_flips():
+    """Perplexity moves continuously: its max_drop budget adds each node's measured rise (in
+    percent) like cosine's, where its NaN margin noise (no class axis to flip) had made every
+    quantized choice infinite and the knapsack kept the whole model float."""
+    logits = [np.random.default_rng(2).normal(size=(64, 10))]
+    perplexity = penalty_scale(Budget("perplexity", "max_drop", 3.0, "test"), logits, None)
+    assert perplexity.flips is None and perplexity.capacity == 3.0
+    analysis = _Measured({("down", "int4"): (1.25, math.nan), ("up", "int8"): (-0.01, math.nan)})
+    assert perplexity.penalty(analysis, "down", "int4") == 1.25
+    # an improvement on the analysis rows reaches the knapsack as is; the knapsack counts it as 0
+    assert perplexity.penalty(analysis, "up", "int8") == -0.01
+    chosen = solve({"up": [Choice("float", 2.0, 0.0), Choice("int8", 1.0, -0.01)]}, 0.0)
+    assert chosen is not None and chosen["up"].precision == "int8"
+    agreement = penalty_scale(Budget("agreement", "max_drop", 3.0, "test"), logits, None)
+    assert agreement.flips is not None

@@ -266,9 +266,12 @@ class SignalQuality:
 
 
 def json_float(value: float) -> float | str:
-    """A number for strict JSON, which has no Infinity: an SQNR of identical tensors is "inf"."""
+    """A number for strict JSON, which has no Infinity or NaN: an SQNR of identical tensors is
+    "inf", a measure that does not apply (a margin noise without a class axis) "nan"."""
     if math.isfinite(value):
         return value
+    if math.isnan(value):
+        return "nan"
     return "inf" if value > 0 else "-inf"
 
 

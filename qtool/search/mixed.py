@@ -24,6 +24,7 @@ written, qtool's provenance metadata included.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -488,7 +489,12 @@ def search(
                 "analysis calibrated do not cover this combination of precisions)"
             )
         if algorithms:  # the whole build stage: the model written is the model verified
-            candidate = build_quantized(float_model, layout, statistics, job.build, False)
+            # with the plan's pins in its settings: AWQ and the INT8 fallback re-plan the model
+            # they change, which without them fell back to the recipe's precisions (every plan
+            # measured was the recipe's own model)
+            pinned = with_overrides(job.build.quantization, _pins(plan))
+            settings = dataclasses.replace(job.build, quantization=pinned)
+            candidate = build_quantized(float_model, layout, statistics, settings, False)
         else:
             candidate = assembler.built(layout)
         model = candidate.model.SerializeToString()

@@ -4,6 +4,10 @@ the budget's own unit.
 - `min_cosine` and `min_sqnr` budgets: the analysis' penalties as measured (1 - cosine, the
   noise-to-signal ratio). They are continuous and add up across nodes already, so the knapsack
   adds them and compares the sum with the budget's limit.
+- `max_drop` budgets on perplexity (percent gained over float): continuous too, added the same
+  way (a node that measured better quantized counts as 0 in the knapsack). They went through the
+  flip model below until 2026-12-07, where a perplexity score has no margin noise (NaN), so every
+  quantized choice counted as infinite and the knapsack kept every node float.
 - `max_drop` budgets (points of accuracy or top-1 agreement): a step metric, whose one-at-a-time
   drop on the analysis subset is usually exactly 0 (no prediction changed), which the knapsack
   used to read as free. Each choice's penalty is instead a margin noise (flips.py): the larger of
@@ -26,6 +30,10 @@ import numpy as np
 from qtool.search.budget import Budget
 from qtool.search.flips import FlipModel
 from qtool.search.result import SensitivityResult
+
+# The metrics that move in steps (a prediction changes or not): their max_drop budgets are priced
+# by the flip model; every other penalty is continuous and adds up as measured.
+STEP_METRICS = ("accuracy", "agreement")
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ def penalty_scale(
 ) -> PenaltyScale:
     """The scale for `budget`; `reference` and `labels` are the float model's gated output and
     the labels (accuracy only) on the evaluation set, batch by batch."""
-    if budget.gate != "max_drop":
+    if budget.gate != "max_drop" or budget.metric not in STEP_METRICS:
         return PenaltyScale(f"{budget.metric} penalty (additive)", budget.penalty)
     flips = FlipModel.from_outputs(reference, labels if budget.metric == "accuracy" else None)
     capacity = flips.capacity(budget.limit)
