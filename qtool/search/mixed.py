@@ -113,17 +113,31 @@ class _Problem:
     size_model: SizeModel
     references: dict[str, Uniform]  # precision -> the uniform model
     profiles: dict[str, NodeTimes] = field(default_factory=dict)
+    # Readers of a tied weight that the analysis could not vary one at a time (the other reader,
+    # pinned float, keeps the one stored table float): not pinned, so the recipe decides them
+    unpinned: frozenset[str] = frozenset()
 
 
 def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _pins(plan: Mapping[str, str]) -> list[Override]:
-    """One override per precision, in a fixed order, naming its nodes in graph order."""
+def _tied_alone(
+    assembler: Assembler, names: Sequence[str], name: str, offered: Sequence[str]
+) -> bool:
+    """Whether `name`, quantized alone as the analysis does (every other node float), is kept
+    float by the tied-weight rule: a reader of one stored table whose other reader is float."""
+    plan = {other: "float" for other in names}
+    plan[name] = offered[0]
+    return assembler.layout(_pins(plan)).plan[name].source == "tied"
+
+
+def _pins(plan: Mapping[str, str], unpinned: frozenset[str] = frozenset()) -> list[Override]:
+    """One override per precision, in a fixed order, naming its nodes in graph order (those in
+    `unpinned` left to the recipe)."""
     pins = []
     for precision in ORDER:
-        names = [node for node, p in plan.items() if p == precision]
+        names = [node for node, p in plan.items() if p == precision and node not in unpinned]
         if names:
             pins.append(pin(names, precision, f"mixed_precision ({precision})"))
     return pins
@@ -228,14 +242,28 @@ def _problem(
     units = analysis.nodes
     names = [u.name for u in units]
     allowed: dict[str, list[str]] = {}
+    offered: dict[str, tuple[str, ...]] = {}
     for unit in units:
+        offered[unit.name] = node_candidates(
+            candidates, unit.op_type, unit.weight is not None, target, explicit
+        )
         allowed[unit.name] = [
-            p
-            for p in node_candidates(
-                candidates, unit.op_type, unit.weight is not None, target, explicit
-            )
-            if analysis.penalty(unit.name, p) is not None
+            p for p in offered[unit.name] if analysis.penalty(unit.name, p) is not None
         ]
+    quantized = {name: [p for p in offered[name] if p != "float"] for name in names}
+    unpinned = frozenset(
+        name
+        for name in names
+        if quantized[name]
+        and not [p for p in allowed[name] if p != "float"]
+        and _tied_alone(assembler, names, name, quantized[name])
+    )
+    if unpinned:
+        notes.append(
+            f"{', '.join(sorted(unpinned))}: readers of one stored (tied) weight, which the "
+            "analysis cannot quantize one at a time (the other reader, float, keeps the table "
+            "float); left to the recipe's settings, and every plan is measured with them"
+        )
     layouts: dict[str, Layout] = {}
     for precision in [p for p in ORDER if p != "float" and p in candidates]:
         chosen = [name for name in names if precision in allowed[name]]
@@ -293,7 +321,7 @@ def _problem(
         options[name] = sizes[name]
         if profiles:
             options[name] = [Choice(p, profiles[p].nodes[name], penalties[p]) for p in usable]
-    return _Problem(options, sizes, sizes_model, uniforms, profiles)
+    return _Problem(options, sizes, sizes_model, uniforms, profiles, unpinned)
 
 
 def _predicted_latency(problem: _Problem, plan: Mapping[str, str]) -> dict | None:
@@ -480,19 +508,22 @@ def search(
     # build stage made and the bytes scored.
     built: dict[tuple, tuple[tuple[float, int], Built, bytes]] = {}
 
+    unpinned = problem.unpinned
+
     def measure(plan: Mapping[str, str]) -> Measured:
-        layout = assembler.layout(_pins(plan))
-        problem = assembler.missing(layout)
-        if problem is not None:
+        pins = _pins(plan, unpinned)
+        layout = assembler.layout(pins)
+        gap = assembler.missing(layout)
+        if gap is not None:
             raise CalibrationError(
-                f"{stats_path}: cannot build a mixed plan: {problem} (the statistics the "
+                f"{stats_path}: cannot build a mixed plan: {gap} (the statistics the "
                 "analysis calibrated do not cover this combination of precisions)"
             )
         if algorithms:  # the whole build stage: the model written is the model verified
             # with the plan's pins in its settings: AWQ and the INT8 fallback re-plan the model
             # they change, which without them fell back to the recipe's precisions (every plan
             # measured was the recipe's own model)
-            pinned = with_overrides(job.build.quantization, _pins(plan))
+            pinned = with_overrides(job.build.quantization, pins)
             settings = dataclasses.replace(job.build, quantization=pinned)
             candidate = build_quantized(float_model, layout, statistics, settings, False)
         else:
@@ -567,7 +598,11 @@ def search(
             "session overhead and are noisy on a shared machine"
         )
 
-    quantization = with_overrides(job.build.quantization, _pins(chosen.precisions))
+    for name in problem.unpinned:  # what the recipe made of them, as written
+        chosen.precisions[name] = chosen_built.layout.plan[name].precision
+    quantization = with_overrides(
+        job.build.quantization, _pins(chosen.precisions, problem.unpinned)
+    )
     out = job.outputs.folder
     if result.passed:
         plan_path = out / "plan.yaml"
