@@ -341,3 +341,23 @@ def test_blockwise_in_column_chunks_gives_the_same_bytes(
         assert chunked.zero_point is None and whole.zero_point is None
     else:
         np.testing.assert_array_equal(chunked.zero_point, whole.zero_point)
+
+
+@pytest.mark.parametrize(
+    ("symmetric", "method", "signed"), [(True, "minmax", True), (False, "mse", False)]
+)
+def test_per_channel_in_column_chunks_gives_the_same_bytes(monkeypatch, symmetric, method, signed):
+    """Per-channel quantization (one block of every row per channel) runs on column chunks too,
+    here 2 channels at a time: the same bytes."""
+    from qtool.write import int4
+
+    weight = np.random.default_rng(8).standard_normal((5, 24)).astype(np.float32)
+    weight[3] *= 25.0  # an outlier channel
+    options = dict(bits=4, symmetric=symmetric, method=method, axis=0, signed_scales=signed)
+    whole = int4.quantize_per_channel(weight, **options)
+    monkeypatch.setattr(int4, "_CHUNK_ELEMENTS", 2 * 24)
+    chunked = int4.quantize_per_channel(weight, **options)
+    np.testing.assert_array_equal(chunked.values, whole.values)
+    assert chunked.scale.tobytes() == whole.scale.tobytes()
+    if not symmetric:
+        np.testing.assert_array_equal(chunked.zero_point, whole.zero_point)

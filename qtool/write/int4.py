@@ -169,9 +169,10 @@ def _signed_scales(low: np.ndarray, high: np.ndarray, bits: int) -> np.ndarray:
     ).astype(np.float32)
 
 
-# _prefer_signed works on this many weight elements at a time: its float64 error terms of a whole
-# lm_head (2048 x 32000) took 2.6 GB at once; every step is per (block, column), so column chunks
-# give the same bytes.
+# The block quantizers (_quantize_columns) work on this many weight elements at a time: the
+# signed-scale choice's float64 error terms of a whole lm_head (2048 x 32000) took 2.6 GB at once,
+# a 262144 x 640 embedding table's float temporaries 2.7 GB; every step is per (block, column),
+# so column chunks give the same bytes.
 _CHUNK_ELEMENTS = 1 << 22
 
 
@@ -179,24 +180,6 @@ def _prefer_signed(
     blocks: np.ndarray, values: np.ndarray, scale: np.ndarray, bits: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per block, the signed-scale grid where it reconstructs strictly better than `scale`'s."""
-    n_blocks, block_len, columns = blocks.shape
-    step = max(1, _CHUNK_ELEMENTS // max(1, n_blocks * block_len))
-    if columns > step:
-        parts = [
-            _prefer_signed_chunk(
-                blocks[:, :, i : i + step], values[:, :, i : i + step], scale[:, i : i + step], bits
-            )
-            for i in range(0, columns, step)
-        ]
-        return np.concatenate([p[0] for p in parts], axis=2), np.concatenate(
-            [p[1] for p in parts], axis=1
-        )
-    return _prefer_signed_chunk(blocks, values, scale, bits)
-
-
-def _prefer_signed_chunk(
-    blocks: np.ndarray, values: np.ndarray, scale: np.ndarray, bits: int
-) -> tuple[np.ndarray, np.ndarray]:
     low, high = _block_range(blocks)
     signed = _signed_scales(low, high, bits)
     signed_values = quantize_values(blocks, signed[:, None, :], None, bits)
@@ -447,12 +430,12 @@ def quantize_per_channel(
     axis = axis % weight.ndim
     moved = np.moveaxis(weight, axis, 0)
     channels = moved.shape[0]
-    # [C, R] -> one block of R rows per channel column: [1, R, C]
-    blocks = moved.reshape(channels, -1).T[None]
-    values, scale, zero = _quantize_blocks(
-        np.ascontiguousarray(blocks), bits, symmetric, grid, device, signed_scales
+    # [C, R] -> one block of R rows per channel column: [R, C]
+    flat = moved.reshape(channels, -1).T
+    values, scale, zero = _quantize_columns(
+        flat, 1, flat.shape[0], bits, symmetric, grid, device, signed_scales
     )
-    values = np.moveaxis(values[0].T.reshape(moved.shape), 0, axis)
+    values = np.moveaxis(values.T.reshape(moved.shape), 0, axis)
     return BlockwiseWeight(
         values=np.ascontiguousarray(values),
         scale=scale[0],
