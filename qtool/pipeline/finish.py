@@ -305,8 +305,7 @@ def _verify(
             loaded = optimized_session(source, VERIFY_THREADS, arena=not too_big)
         except QtoolError as exc:
             if header.quantization.target == "ort-cpu":
-                with _load_errors_named(source, model_path):
-                    raise
+                raise _load_error(exc, source, model_path) from None
             # ORT's CPU optimizer is not the target's runtime: a file it cannot load fused is
             # checked unfused, and the report and a warning say so.
             reference.close()
@@ -346,10 +345,15 @@ def _load_errors_named(source: bytes | Path, model_path: Path) -> Iterator[None]
     except DataError:
         raise
     except QtoolError as exc:
-        message = str(exc)
-        if isinstance(source, Path):
-            message = message.replace(str(source), str(model_path))
-        raise ModelError(f"the quantized model does not load in ONNX Runtime: {message}") from None
+        raise _load_error(exc, source, model_path) from None
+
+
+def _load_error(exc: QtoolError, source: bytes | Path, model_path: Path) -> ModelError:
+    """ORT's load failure of `source`, naming the output rather than its temporary file."""
+    message = str(exc)
+    if isinstance(source, Path):
+        message = message.replace(str(source), str(model_path))
+    return ModelError(f"the quantized model does not load in ONNX Runtime: {message}")
 
 
 def _float_bytes(float_model: FloatModel) -> int:

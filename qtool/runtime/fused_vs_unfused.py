@@ -60,6 +60,11 @@ class UnfusedReference:
         self.close()
 
 
+def bad_batch(index: int, exc: Exception) -> DataError:
+    """The error for a verification batch ORT cannot run, naming the batch and ORT's reason."""
+    return DataError(f"batch {index} cannot run the quantized model: {ort_reason(exc)}")
+
+
 def run_unfused(
     quantized: bytes | Path, feeds: Sequence[dict[str, np.ndarray]], threads: int = 1
 ) -> UnfusedReference:
@@ -67,8 +72,7 @@ def run_unfused(
     keep its outputs in a scratch folder (the system's temporary directory); the session is
     gone when this returns. A model ORT cannot load raises ModelError, a batch it cannot run
     DataError naming the batch."""
-    source = quantized if isinstance(quantized, bytes) else Path(quantized)
-    session = create_session(source, threads=threads, optimize=False, arena=False)
+    session = create_session(quantized, threads=threads, optimize=False, arena=False)
     names = [o.name for o in session.get_outputs()]
     folder = tempfile.TemporaryDirectory(prefix="qtool-unfused-")
     runs: list[ReferenceRun] = []
@@ -110,9 +114,7 @@ def _rows_and_outputs(
                 runs = runs_by_rows(session, names, as_declared(feed, session))
             step = next(runs, None)
         except Exception as exc:  # ORT raises private types for bad feeds
-            raise DataError(
-                f"batch {batch} cannot run the quantized model: {ort_reason(exc)}"
-            ) from exc
+            raise bad_batch(batch, exc) from exc
         if step is None:
             return
         rows, outputs = step
@@ -143,17 +145,14 @@ def compare_fused_unfused(
         reference = run_unfused(quantized, feeds, threads)
     with reference:
         if fused is None:
-            source = quantized if isinstance(quantized, bytes) else Path(quantized)
-            fused = create_session(source, threads=threads, optimize=True)
+            fused = create_session(quantized, threads=threads, optimize=True)
         quality = {name: SignalQuality() for name in reference.names}
         for run in reference.runs:
             try:
                 feed = as_declared(feeds[run.batch], fused)
                 candidate = fused.run(reference.names, feed_rows(feed, run.rows))
             except Exception as exc:  # ORT raises private types for bad feeds
-                raise DataError(
-                    f"batch {run.batch} cannot run the quantized model: {ort_reason(exc)}"
-                ) from exc
+                raise bad_batch(run.batch, exc) from exc
             for name, path, output in zip(reference.names, run.files, candidate, strict=True):
                 for ref, out in _slices(path, np.asarray(output), name):
                     quality[name].update(ref, out)

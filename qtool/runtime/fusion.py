@@ -50,9 +50,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from qtool.errors import ModelError
-from qtool.ort.sessions import (
-    create_session,
-)
+from qtool.ort.sessions import create_session
 from qtool.plan.ops import find_rule
 from qtool.plan.ops.registry import NO_FUSION, OrtFusion, float_weight_op_types
 from qtool.plan.ops.targets import ORT_CPU

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qtool.errors import DataError
 from qtool.metrics.signal import json_float
 from qtool.ort.accuracy_level import INT8_COMPUTE_LEVEL
 from qtool.ort.cpu import CpuFeatures, detect_cpu
-from qtool.ort.sessions import as_declared, create_session, ort_reason
+from qtool.ort.sessions import as_declared, create_session
 from qtool.plan.ops import precision_key
 from qtool.plan.ops import rule as op_rule
 from qtool.plan.plan import NodePlan, Plan
@@ -30,7 +29,12 @@ from qtool.runtime.fused_gap import (
     kernel_advice,
     kernel_cause,
 )
-from qtool.runtime.fused_vs_unfused import UnfusedReference, compare_fused_unfused, run_unfused
+from qtool.runtime.fused_vs_unfused import (
+    UnfusedReference,
+    bad_batch,
+    compare_fused_unfused,
+    run_unfused,
+)
 from qtool.runtime.fusion import (
     FUSED,
     OptimizedSession,
@@ -114,8 +118,7 @@ def verify_unfused_only(
         try:
             session.run(names, as_declared(feed, session))
         except Exception as exc:  # ORT raises private types for bad feeds
-            reason_text = ort_reason(exc)
-            raise DataError(f"batch {index} cannot run the quantized model: {reason_text}") from exc
+            raise bad_batch(index, exc) from exc
     by_op: dict[str, dict] = {}
     for node in plan.quantized():
         node.runtime = {

@@ -508,10 +508,8 @@ def search(
     # build stage made and the bytes scored.
     built: dict[tuple, tuple[tuple[float, int], Built, bytes]] = {}
 
-    unpinned = problem.unpinned
-
     def measure(plan: Mapping[str, str]) -> Measured:
-        pins = _pins(plan, unpinned)
+        pins = _pins(plan, problem.unpinned)
         layout = assembler.layout(pins)
         gap = assembler.missing(layout)
         if gap is not None:
