@@ -207,3 +207,46 @@ def test_gptq_act_order_and_damp_are_recipe_settings():
         read_algorithms({"gptq": {"act_order": "yes"}}, "r.yaml")
     algorithms = read_algorithms({"awq": {"grid": 8}, "scale_estimation": {"steps": 3}}, "r")
     assert algorithms.names() == ("awq", "scale_estimation")
+
+
+def test_awq_on_a_lazy_model_keeps_its_scaled_weights_on_disk(tmp_path):
+    """A lazy model's scaled weights go to a scratch file, referenced as lazy weights (not into
+    the model proto), with the values the in-memory transform gives; the file goes with it."""
+    from qtool.model.external_data import lazy_file, make_lazy, tensor_array
+
+    _decoder_layer(tmp_path / "layer.onnx")
+    model = prepare_model(onnx.load(tmp_path / "layer.onnx"), min_opset=21)
+    spec = QuantizationSpec(
+        op_types=("MatMul",), weights=WeightSettings(bits=4, block_size=16, symmetric=True)
+    )
+
+    def replan(m):
+        return planning.plan(m, spec, "minmax", "recipe")
+
+    layout = replan(model)
+    x = _outlier_inputs(6)[:, :K]
+    inputs = ["normed", "qk", "res", "gated"]
+    acts = _tensors(model, inputs, x)
+    hessians = {}
+    for name in inputs:
+        hessians[name] = HessianAccumulator(acts[name].shape[-1], name)
+        hessians[name].update(acts[name])
+    whole = awq.apply_awq(model, layout, AwqParams(grid=20), hessians, replan)
+    assert whole.scratch is None
+    onnx.save(model, tmp_path / "ext.onnx", save_as_external_data=True, size_threshold=0)
+    lazy = onnx.load(tmp_path / "ext.onnx", load_external_data=False)
+    make_lazy(lazy, tmp_path)
+    scaled = awq.apply_awq(lazy, replan(lazy), AwqParams(grid=20), hessians, replan)
+    assert scaled.scratch is not None and scaled.scratch.path.is_file()
+    expected = {t.name: numpy_helper.to_array(t) for t in whole.model.graph.initializer}
+    moved = 0
+    for tensor in scaled.model.graph.initializer:
+        where = lazy_file(tensor)
+        # every weight is lazy but the new inverse scales (small, inline)
+        assert (where is None) == tensor.name.endswith("_awq_inverse_scale")
+        moved += where is not None and where[0] == scaled.scratch.path
+        np.testing.assert_array_equal(tensor_array(tensor), expected[tensor.name])
+    assert moved == 7  # wq wk wo wg wu wd scaled, and gamma (1/s folded in)
+    path = scaled.scratch.path
+    scaled.scratch.close()
+    assert not path.exists()

@@ -380,3 +380,46 @@ def test_a_packed_accumulator_holds_half_and_gives_the_same_matrix(collected):
     acc.update(extra)
     flat = extra.reshape(-1, k).astype(np.float32)
     assert np.array_equal(acc.xtx, full + flat.T @ flat)
+
+
+def test_a_derived_accumulator_is_the_scaled_sum_without_holding_it(collected):
+    """AWQ's scaled layer inputs: diag(1/s) XᵀX diag(1/s), computed from the unscaled sum on
+    each read (the triangle kept is the upper one, mirrored), and it takes no more rows."""
+    _, batches, _, hessians = collected
+    source = hessians["x"]
+    inverse = np.linspace(0.5, 2.0, source.features)
+    derived = source.scaled(inverse, "x_scaled")
+    expected = HessianAccumulator.from_sum(
+        source.xtx * inverse[:, None] * inverse[None, :], source.rows, "x_scaled"
+    )
+    expected.pack()
+    assert derived._packed is None and derived._full is None
+    assert np.array_equal(derived.xtx, expected.xtx) and np.array_equal(derived.xtx, derived.xtx.T)
+    assert (derived.rows, derived.features) == (source.rows, source.features)
+    with pytest.raises(CalibrationError, match="takes no rows"):
+        derived.update(batches[0].inputs["x"])
+    with pytest.raises(ValueError, match="inverse scales"):
+        source.scaled(inverse[:-1], "short")
+
+
+def test_stored_accumulators_read_their_triangle_from_the_file_written(collected, tmp_path):
+    """After the file is written the accumulators hold nothing and read it back, from the staged
+    name or, once renamed into place, the committed one: the same matrices as before."""
+    from qtool.calibration.hessian_file import read_back
+
+    _, _, _, hessians = collected
+    copies = {
+        name: HessianAccumulator.from_sum(acc.xtx, acc.rows, name) for name, acc in hessians.items()
+    }
+    before = {name: acc.xtx.copy() for name, acc in copies.items()}
+    staged, committed = tmp_path / "staged.npz", tmp_path / "hessians.npz"
+    save_hessians(staged, copies, FINGERPRINT)
+    read_back(staged, committed, copies)
+    for name, acc in copies.items():
+        assert acc._packed is None and acc._full is None
+        assert np.array_equal(acc.xtx, before[name])
+    staged.rename(committed)
+    assert all(np.array_equal(acc.xtx, before[name]) for name, acc in copies.items())
+    committed.unlink()
+    with pytest.raises(CalibrationError, match="cannot read the Hessians this run wrote back"):
+        _ = copies["x"].xtx

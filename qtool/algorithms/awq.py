@@ -46,7 +46,8 @@ from qtool.algorithms.spec import AwqParams
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.requests import StatisticRequests
 from qtool.errors import CalibrationError
-from qtool.model.external_data import tensor_array
+from qtool.model.external_data import is_lazy, lazy_file, tensor_array
+from qtool.model.scratch_weights import ScratchWeights
 from qtool.plan.layout import Layout, WeightSlot
 from qtool.plan.plan import WeightPlan
 from qtool.write.int4 import dequantize
@@ -91,6 +92,8 @@ class Scaled:
     layout: Layout
     hessians: dict[str, HessianAccumulator]
     entry: dict
+    # The file a lazy model's scaled weights are read from: held as long as the model is
+    scratch: ScratchWeights | None = None
 
 
 def _eligible(
@@ -179,8 +182,19 @@ def search_scale(
     return best
 
 
-def _set(initializers: dict[str, onnx.TensorProto], name: str, value: np.ndarray) -> None:
-    initializers[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+def _set(
+    initializers: dict[str, onnx.TensorProto],
+    name: str,
+    value: np.ndarray,
+    scratch: ScratchWeights | None,
+) -> None:
+    """Give initializer `name` its new values: a lazy weight stays lazy, its new values in the
+    scratch file (the model proto would hold them to the end)."""
+    tensor = initializers[name]
+    if scratch is not None and lazy_file(tensor) is not None:
+        scratch.put(tensor, value.astype(np.float32))
+    else:
+        tensor.CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
 def _fold_target(
@@ -227,9 +241,11 @@ def scale_model(
     groups: list[AwqGroup],
     choices: Mapping[str, Choice],
     layout: Layout,
+    scratch: ScratchWeights | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, str], dict[str, str]]:
     """A copy of `model` with every chosen scale applied: (model, input -> the tensor its
-    members now read, input -> where 1/s went)."""
+    members now read, input -> where 1/s went). `scratch`: where a lazy model's scaled weights
+    go (they stay lazy)."""
     scaled = onnx.ModelProto()
     scaled.CopyFrom(model)
     graph = scaled.graph
@@ -248,16 +264,16 @@ def scale_model(
         s = choice.scale
         for member in group.members:
             w = tensor_array(initializers[member.weight]).astype(np.float32)
-            _set(initializers, member.weight, w * s[:, None])
+            _set(initializers, member.weight, w * s[:, None], scratch)
         target = _fold_target(graph, group, layout, initializers, readers)
         if target is not None and target[0] == "constant":
             c = tensor_array(initializers[target[2]]).astype(np.float32)
-            _set(initializers, target[2], c / s.reshape(c.shape))
+            _set(initializers, target[2], c / s.reshape(c.shape), scratch)
             reads[group.input] = group.input
             where[group.input] = f"the constant '{target[2]}' of Mul '{target[1]}'"
         elif target is not None:
             w = tensor_array(initializers[target[2]]).astype(np.float32)
-            _set(initializers, target[2], w / s[None, :])
+            _set(initializers, target[2], w / s[None, :], scratch)
             reads[group.input] = group.input
             where[group.input] = (
                 f"the output columns of MatMul '{target[1]}' (weight '{target[2]}')"
@@ -324,14 +340,9 @@ def _scaled_hessians(
         choice = choices[group.input]
         if choice.scale is None:
             continue
-        acc = hessians[group.input]
         inverse = 1.0 / choice.scale.astype(np.float64)
-        xtx = acc.xtx * inverse[:, None] * inverse[None, :]
-        scaled = HessianAccumulator.from_sum(xtx, acc.rows, reads[group.input])
-        # held with the unscaled ones through the build: packed, its upper triangle mirrored
-        # (each entry above rounds twice, in an order that can leave the triangles a bit apart)
-        scaled.pack()
-        out[reads[group.input]] = scaled
+        # derived from the unscaled sum on each read, not a second copy held through the build
+        out[reads[group.input]] = hessians[group.input].scaled(inverse, reads[group.input])
     return out
 
 
@@ -358,7 +369,8 @@ def apply_awq(
         choices[group.input] = search_scale(
             weights, group.members, hessians[group.input].hessian(), params.grid
         )
-    scaled, reads, where = scale_model(model, groups, choices, layout)
+    scratch = ScratchWeights() if is_lazy(model) else None
+    scaled, reads, where = scale_model(model, groups, choices, layout, scratch)
     new_layout = replan(scaled)
     entry = {
         "grid": params.grid,
@@ -381,4 +393,5 @@ def apply_awq(
             for g in groups
         ],
     }
-    return Scaled(scaled, new_layout, _scaled_hessians(hessians, groups, choices, reads), entry)
+    hessians = _scaled_hessians(hessians, groups, choices, reads)
+    return Scaled(scaled, new_layout, hessians, entry, scratch)

@@ -112,6 +112,31 @@ def write_hessian_file(
             write_member(archive, f"xtx_{i}.npy", array_bytes.getvalue(), zipfile.ZIP_STORED)
 
 
+def read_back(path: Path, committed: Path, accumulators: Mapping[str, HessianAccumulator]) -> None:
+    """Let every accumulator go and read its triangle back from `path`, the staged file this run
+    has just written from them (`write_hessian_file`), or from `committed`, the name it has once
+    the run's outputs are renamed into place. qtool's own bytes: each read checks only that the
+    member is the triangle it wrote."""
+    for i, name in enumerate(sorted(accumulators)):
+        accumulator = accumulators[name]
+        length = accumulator.features * (accumulator.features + 1) // 2
+
+        def triangle(member: str = f"xtx_{i}.npy", length: int = length) -> np.ndarray:
+            source = path if path.exists() else committed
+            try:
+                with zipfile.ZipFile(source) as archive, archive.open(member) as handle:
+                    packed = np.lib.format.read_array(handle)
+            except (OSError, zipfile.BadZipFile, KeyError) as exc:
+                raise CalibrationError(
+                    f"{source}: cannot read the Hessians this run wrote back ({exc})"
+                ) from None
+            if packed.dtype != np.float64 or packed.shape != (length,):
+                raise CalibrationError(f"{source}: member {member} is not the triangle written")
+            return packed
+
+        accumulator.store(triangle)
+
+
 def _read_entry(path: Path, archive: zipfile.ZipFile, entry: object) -> HessianAccumulator:
     """One tensor's accumulator, every field and the array checked against what XᵀX must be."""
     name = entry.get("name") if isinstance(entry, dict) else None

@@ -6,6 +6,8 @@ layer input, whatever the sample count) and merged across shards and processes b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from qtool.errors import CalibrationError, DataError
@@ -60,6 +62,9 @@ class HessianAccumulator:
         # sum rebuilt whole (from_sum, merge) until `pack`.
         self._full: np.ndarray | None = None
         self._packed: np.ndarray | None = np.zeros(features * (features + 1) // 2, np.float64)
+        # A finished sum the build reads back on each access instead of holding it: its triangle
+        # in the staged Hessian file (`store`), or derived from another's (`scaled`).
+        self._stored: Callable[[], np.ndarray] | None = None
         self.rows = 0
 
     @property
@@ -67,12 +72,40 @@ class HessianAccumulator:
         """The K x K sum (after `pack`, rebuilt on each access: a new array, same bytes)."""
         if self._full is not None:
             return self._full
-        assert self._packed is not None
-        return unpack_triangle(self._packed, self.features)
+        if self._packed is not None:
+            return unpack_triangle(self._packed, self.features)
+        assert self._stored is not None
+        return unpack_triangle(self._stored(), self.features)
 
     @xtx.setter
     def xtx(self, value: np.ndarray) -> None:
-        self._full, self._packed = value, None
+        self._full, self._packed, self._stored = value, None, None
+
+    def store(self, read_triangle: Callable[[], np.ndarray]) -> None:
+        """Let go of the sum: from now on `read_triangle` gives its packed upper triangle (the
+        staged Hessian file's copy). The build reads each Hessian once or twice, layer by layer,
+        and held all of them meanwhile (SmolLM2-135M: 403 MB, a Gemma 3 270M: more than its
+        4-bit model)."""
+        self.pack()
+        self._full, self._packed, self._stored = None, None, read_triangle
+
+    def scaled(self, inverse: np.ndarray, name: str) -> HessianAccumulator:
+        """XᵀX of X diag(inverse), diag(inverse) XᵀX diag(inverse), computed from this one on
+        each access rather than held beside it (AWQ's scaled layer inputs: a second copy of
+        every Hessian it scales). Each entry of the product rounds on its own, in an order that
+        can leave the two triangles a bit apart: the upper one is kept, mirrored."""
+        inverse = np.asarray(inverse, np.float64)
+        if inverse.shape != (self.features,):
+            raise ValueError(f"{self.features} features, got {inverse.shape[0]} inverse scales")
+        source = self
+
+        def triangle() -> np.ndarray:
+            return pack_triangle(source.xtx * inverse[:, None] * inverse[None, :])
+
+        derived = HessianAccumulator(1, name)
+        derived.features, derived.rows = self.features, self.rows
+        derived._packed, derived._stored = None, triangle
+        return derived
 
     def pack(self) -> None:
         """Hold a sum rebuilt whole (from_sum, merge) as its upper triangle again. A sum built
@@ -84,6 +117,8 @@ class HessianAccumulator:
 
     def update(self, x: np.ndarray) -> None:
         """Add the rows of x: memory is one batch's XᵀX, never the history."""
+        if self._stored is not None:
+            raise CalibrationError(f"tensor {self.name!r}: a stored or derived XᵀX takes no rows")
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[-1] != self.features:
             raise DataError(

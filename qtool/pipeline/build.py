@@ -31,6 +31,7 @@ from qtool.calibration.channels import channels_path, load_channels
 from qtool.calibration.spec import CalibrationSpec
 from qtool.data.source import BatchSource
 from qtool.errors import CalibrationError
+from qtool.model.scratch_weights import ScratchWeights
 from qtool.ort.cpu import CpuFeatures, resolve_cpu
 from qtool.phases import phase
 from qtool.pipeline import planning
@@ -99,6 +100,9 @@ class Built:
     float_type: dict | None = None
     # The model-level comparison with plain min-max (qtool/pipeline/keep.py), when it ran
     choice: dict | None = None
+    # The file that float weights an algorithm rewrote are read from (AWQ on a lazy model):
+    # `model` may keep some as lazy weights, whose bytes are copied when it is staged.
+    scratch: ScratchWeights | None = None
 
     def drop_weight_values(self) -> None:
         """Let go of the quantized weights' integers once the model holds them: the report reads
@@ -154,11 +158,13 @@ def build_quantized(
         model, layout = smoothed.model, smoothed.layout
         stats, hessians = smoothed.stats, smoothed.hessians
         algorithms["smoothquant"] = smoothed.entry
+    scratch = None
     awq = settings.algorithms.awq
     if awq is not None:
         with phase("AWQ"):  # alpha search per weight-only layer input, then the scaled model
             scaled = apply_awq(model, layout, awq, hessians, settings.replan)
         model, layout, hessians = scaled.model, scaled.layout, scaled.hessians
+        scratch = scaled.scratch
         algorithms["awq"] = scaled.entry
     fallback = settings.algorithms.int8_fallback
     if fallback is not None:
@@ -276,6 +282,7 @@ def build_quantized(
         nbits_reason,
         algorithms,
         float_type,
+        scratch=scratch,
     )
 
 

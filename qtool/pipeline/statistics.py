@@ -14,7 +14,7 @@ from qtool import kernels
 from qtool.calibration.channels import ChannelStats, channel_file_bytes
 from qtool.calibration.collect import collect
 from qtool.calibration.data_digest import DataDigest
-from qtool.calibration.hessian_file import load_hessians, write_hessian_file
+from qtool.calibration.hessian_file import load_hessians, read_back, write_hessian_file
 from qtool.calibration.hessians import HessianAccumulator
 from qtool.calibration.merge import merge_across_processes
 from qtool.calibration.observers import TensorStats
@@ -126,14 +126,17 @@ def collect_statistics(
     stats_bytes = stats_file_bytes(stats, model.fingerprint, bins, data_digest=digest, shard=record)
     data_sha256 = None if digest is None else digest.hexdigest()
     files = {outputs.stats: stats_bytes, **model.float_files(outputs.float_model)}
-    for accumulator in hessians.values():  # the build holds them all: half the bytes
+    for accumulator in hessians.values():  # half the bytes until they are written
         accumulator.pack()
     if requests.hessians and group.primary:
         fingerprint = model.fingerprint
-        files[outputs.hessians] = stage(
+        staged = stage(
             outputs.hessians,
             lambda handle: write_hessian_file(handle, hessians, fingerprint, data_sha256),
         )
+        files[outputs.hessians] = staged
+        # the build reads each back from the file, layer by layer, instead of holding them all
+        read_back(staged.path, outputs.hessians, hessians)
     channels = {observer.name: observer.result() for observer in observers}
     if observers:
         files[outputs.channels] = channel_file_bytes(channels, model.fingerprint, data_sha256)
