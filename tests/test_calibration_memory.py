@@ -66,9 +66,11 @@ def test_the_session_is_the_only_holder_of_the_model_while_calibrating(
     real = collect.create_session
 
     def spy(source, **kwargs):
-        collect_frame = inspect.currentframe().f_back
+        session_frame = inspect.currentframe().f_back  # collect._session
+        collect_frame = session_frame.f_back
         caller_frame = collect_frame.f_back  # pipeline.statistics.collect_statistics
-        seen["collect_locals"] = set(collect_frame.f_locals)
+        seen["collect_locals"] = set(collect_frame.f_locals) | set(session_frame.f_locals)
+        seen["holder"] = collect_frame.f_locals.get("holder")
         seen["caller_protos"] = [
             name for name, v in caller_frame.f_locals.items() if isinstance(v, onnx.ModelProto)
         ]
@@ -82,6 +84,7 @@ def test_the_session_is_the_only_holder_of_the_model_while_calibrating(
     calibrate(recipe, prepared, progress=False)
 
     assert "model" not in seen["collect_locals"]  # collect dropped the proto before the session
+    assert seen["holder"] == []
     assert seen["caller_protos"] == []  # and nobody up the stack keeps it alive
     assert seen["held"] == (None, None)
     (staged,) = seen["staged"].values()  # the float model, staged once before ORT ran

@@ -28,6 +28,7 @@ from test_external_data import (
     write_case,
 )
 
+from qtool.calibration import collect as collect_module
 from qtool.errors import RecipeError
 from qtool.model import external_data
 from qtool.model.prepare import prepare_model
@@ -280,11 +281,22 @@ def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
     float copy under `output.float_model: auto` (as the model and its data file), and
     calibrate, quantize --stats, evaluate and the search agree on its fingerprint."""
     contents = {}
+    parts: list[int] = []
+    split = collect_module.split_model
+
+    def counted(*args):
+        result = split(*args)
+        parts.append(0 if result is None else len(result))
+        return result
+
     for staged in (False, True):
         folder = tmp_path / ("staged" if staged else "memory")
         folder.mkdir()
         if staged:
             monkeypatch.setattr(external_data, "STAGE_WEIGHTS_THRESHOLD", LIMIT)
+            # calibrated part by part, as a decoder is: the same statistics, the same model
+            monkeypatch.setattr(collect_module, "PART_BYTES", 64 << 10)
+            monkeypatch.setattr(collect_module, "split_model", counted)
         recipe, _ = write_case(folder, mlp(), float_model="auto")
         spec = yaml.safe_load(recipe.read_text())
         # fc2 stays float: its weight is a lazy one read back into the inline quantized model
@@ -317,6 +329,8 @@ def test_a_large_model_under_the_limit_is_staged_and_written_as_usual(
         evaluated = cli("evaluate", recipe, "--no-progress", "--latency-runs", "1")
         assert evaluated.exit_code == 0, evaluated.stderr
         assert_no_temporaries(out)
+    assert all(count >= 2 for count in parts)
+    assert parts or bits == 4  # 4-bit round-to-nearest reads no calibration data
     assert contents[True] == contents[False]
 
 

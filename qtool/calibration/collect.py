@@ -25,19 +25,22 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from qtool.calibration.channels import ChannelObserver
-from qtool.calibration.hessians import HessianAccumulator
+from qtool.calibration.hessians import HessianAccumulator, HessianSpill
 from qtool.calibration.observers import HistogramObserver, TensorStats
+from qtool.calibration.parts import Part, split_model
 from qtool.data.batches import Batch
-from qtool.errors import CalibrationError, ModelError
+from qtool.errors import CalibrationError, ModelError, OutputError
 from qtool.model.inline_write import write_model
+from qtool.model.memory import release_freed_memory
 from qtool.ort.sessions import create_session, ort_reason
 from qtool.phases import phase
 from qtool.progress import bars
@@ -132,6 +135,108 @@ def _hessian_accumulators(
     return accumulators
 
 
+class _Observed:
+    """Everything one calibration pass updates from the tensors it fetches: the range
+    observers, the Hessian accumulators, SmoothQuant's per-channel observers."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        tensors: list[str],
+        hessian_names: list[str],
+        channel_observers: Sequence[ChannelObserver],
+        bins: int,
+        device: str,
+    ) -> None:
+        self.ranges = {name: HistogramObserver(name, bins * 2, device=device) for name in tensors}
+        self.hessians = _hessian_accumulators(model, hessian_names)
+        self.channels = {observer.name: observer for observer in channel_observers}
+
+    def names(self) -> list[str]:
+        """Every tensor observed, once."""
+        return list(dict.fromkeys([*self.ranges, *self.hessians, *self.channels]))
+
+    def update(self, values: Mapping[str, np.ndarray]) -> None:
+        """Feed each observer its tensor of one batch (those of `values` it observes)."""
+        for name, array in values.items():
+            if name in self.ranges:
+                self.ranges[name].update(array)
+            if name in self.hessians:
+                accumulator = self.hessians[name]
+                if accumulator is None:
+                    if array.ndim == 0 or array.shape[-1] < 1:
+                        raise CalibrationError(
+                            f"tensor '{name}' has shape {array.shape}; XᵀX needs an input [..., K]"
+                        )
+                    accumulator = self.hessians[name] = HessianAccumulator(array.shape[-1], name)
+                accumulator.update(array)
+            if name in self.channels:
+                self.channels[name].update(array)
+
+    def results(
+        self, tensors: list[str]
+    ) -> tuple[list[TensorStats], dict[str, HessianAccumulator]]:
+        stats = [self.ranges[name].result() for name in tensors]
+        hessians = {}
+        for name, accumulator in self.hessians.items():
+            if accumulator is None or accumulator.rows == 0:
+                raise CalibrationError(f"tensor '{name}' received no calibration data")
+            hessians[name] = accumulator
+        return stats, hessians
+
+
+def _session(
+    holder: list[onnx.ModelProto],
+    fetch: list[str],
+    model_dir: Path | None,
+    serialized: Path | None,
+    threads: int | None,
+    what: str = "the model with the observed tensors as outputs",
+) -> onnxruntime.InferenceSession:
+    """An ORT session of the model in `holder` with `fetch` as outputs, written to a temporary
+    file (in `model_dir` when its weights are external data there) and removed once ORT has
+    read it. The model is taken out of `holder`, so a caller that held it only there holds no
+    reference while ORT loads it."""
+    model = holder.pop()
+    with tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp:
+        path = Path(tmp) / "calibration.onnx"
+        if model_dir is not None:  # a qtool temporary name: a killed run's copy is cleaned up
+            handle, name = tempfile.mkstemp(
+                prefix=f".calibration.onnx.qtool{os.getpid()}.", suffix=".tmp", dir=model_dir
+            )
+            os.close(handle)
+            path = Path(name)
+        try:
+            save_with_extra_outputs(model, fetch, path, serialized)
+            del model  # the caller's only reference, when it passed that: the session has its own
+            # ORT has read the file; it can go. Observers run between batches: no spinning.
+            return create_session(path, threads=threads, spinning=False)
+        except ModelError as exc:  # name the model, not the temporary file
+            raise ModelError(str(exc).replace(str(path), what)) from None
+        finally:
+            if model_dir is not None:
+                path.unlink(missing_ok=True)
+
+
+def _run(session: onnxruntime.InferenceSession, fetch: list[str], feed: dict) -> list:
+    try:
+        return session.run(fetch, feed)
+    except Exception as exc:  # ORT raises its own exception types for bad feeds
+        raise CalibrationError(
+            f"ONNX Runtime failed on a calibration batch: {ort_reason(exc)}"
+        ) from None
+
+
+def _columns(label: str) -> tuple:
+    return (
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("samples"),
+        TimeRemainingColumn(),
+    )
+
+
 def collect(
     model: onnx.ModelProto,
     tensors: list[str],
@@ -152,12 +257,13 @@ def collect(
 
     `device` is where the histogram kernels run; XᵀX is always float64 numpy on the CPU, so the
     same batches give the same bytes whatever the device. `model_dir`: the folder that `model`'s
-    external data references are relative to, for a model whose weights stay on disk (over 2 GB:
-    see qtool.model.external_data); the model with the extra outputs is written there, since ONNX
-    Runtime reads external data only from the model file's own folder. `model` is dropped
-    once it is written (a caller that passes its only reference frees it before the session is
-    created; pipeline.PreparedModel.release). Each of
-    `channel_observers` (per-channel statistics for SmoothQuant) is updated in place with its
+    external data references are relative to, for a model whose weights stay on disk (a staged
+    float model: see qtool.model.external_data); the model with the extra outputs is written
+    there, since ONNX Runtime reads external data only from the model file's own folder. Such a
+    model with more than PART_BYTES of weights is calibrated part by part
+    (qtool/calibration/parts.py). `model` is dropped once it is written (a caller that passes its
+    only reference frees it before the session is created; pipeline.PreparedModel.release). Each
+    of `channel_observers` (per-channel statistics for SmoothQuant) is updated in place with its
     tensor from the same runs. `serialized`: a file holding `model`'s exact serialization, which
     the model with the extra outputs is built from (save_with_extra_outputs).
     """
@@ -165,71 +271,144 @@ def collect(
     channel_names = [observer.name for observer in channel_observers]
     # a tensor wanted more than once is fetched once
     fetch = list(dict.fromkeys([*tensors, *hessian_names, *channel_names]))
-    where = {name: i for i, name in enumerate(fetch)}
-    accumulators = _hessian_accumulators(model, hessian_names)
-    with (
-        phase("calibrating: loading the model into ONNX Runtime"),
-        tempfile.TemporaryDirectory(prefix="qtool-calib-") as tmp,
-    ):
-        path = Path(tmp) / "calibration.onnx"
-        if model_dir is not None:  # a qtool temporary name: a killed run's copy is cleaned up
-            handle, name = tempfile.mkstemp(
-                prefix=f".calibration.onnx.qtool{os.getpid()}.", suffix=".tmp", dir=model_dir
-            )
-            os.close(handle)
-            path = Path(name)
-        try:
-            save_with_extra_outputs(model, fetch, path, serialized)
-            del model  # the caller's only reference, when it passed that: the session has its own
-            # ORT has read the file; it can go. Observers run between batches: no spinning.
-            session = create_session(path, threads=threads, spinning=False)
-        except ModelError as exc:  # name the model, not the temporary file
-            raise ModelError(
-                str(exc).replace(str(path), "the model with the observed tensors as outputs")
-            ) from None
-        finally:
-            if model_dir is not None:
-                path.unlink(missing_ok=True)
-    observers = [HistogramObserver(name, bins * 2, device=device) for name in tensors]
-    columns = (
-        TextColumn("calibrating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("samples"),
-        TimeRemainingColumn(),
-    )
-    with bars(progress, *columns, line="calibrating: {count} samples") as bar:
+    observed = _Observed(model, tensors, hessian_names, channel_observers, bins, device)
+    parts = None if model_dir is None else split_model(model, fetch, PART_BYTES)
+    if parts is not None:
+        del model
+        _collect_by_parts(parts, batches, observed, model_dir, threads, progress, total_samples)
+        return observed.results(tensors)
+    holder = [model]
+    del model  # the session has its own: `_session` drops the last reference before ORT loads
+    with phase("calibrating: loading the model into ONNX Runtime"):
+        session = _session(holder, fetch, model_dir, serialized, threads)
+    with bars(progress, *_columns("calibrating"), line="calibrating: {count} samples") as bar:
         task = bar.add_task("calibrate", total=total_samples)
         for batch in batches:
-            try:
-                values = session.run(fetch, batch.inputs)
-            except Exception as exc:  # ORT raises its own exception types for bad feeds
-                raise CalibrationError(
-                    f"ONNX Runtime failed on a calibration batch: {ort_reason(exc)}"
-                ) from None
-            for observer in observers:
-                observer.update(values[where[observer.name]])
-            for name in hessian_names:
-                array = values[where[name]]
-                accumulator = accumulators[name]
-                if accumulator is None:
-                    if array.ndim == 0 or array.shape[-1] < 1:
-                        raise CalibrationError(
-                            f"tensor '{name}' has shape {array.shape}; XᵀX needs an input [..., K]"
-                        )
-                    accumulator = accumulators[name] = HessianAccumulator(array.shape[-1], name)
-                accumulator.update(array)
-            for channel_observer in channel_observers:
-                channel_observer.update(values[where[channel_observer.name]])
+            values = _run(session, fetch, batch.inputs)
+            observed.update(dict(zip(fetch, values, strict=True)))
             del values  # free this batch's outputs before ORT allocates the next batch's
             bar.advance(task, len(batch))
-    stats = [observer.result() for observer in observers]
-    hessians = {}
-    for name, accumulator in accumulators.items():
-        if accumulator is None or accumulator.rows == 0:
-            raise CalibrationError(f"tensor '{name}' received no calibration data")
-        hessians[name] = accumulator
-    return stats, hessians
+    return observed.results(tensors)
+
+
+# Weights per part when a staged model is calibrated part by part: the session's share of the
+# calibration peak (SmolLM2-135M, 542 MB in one session: 1.56 GB, the whole model and every
+# Hessian held; in parts of this size, see benchmarks/README.md).
+PART_BYTES = 64 << 20
+
+
+def _collect_by_parts(
+    parts: list[Part],
+    batches: Iterable[Batch],
+    observed: _Observed,
+    model_dir: Path,
+    threads: int | None,
+    progress: bool,
+    total_samples: int | None,
+) -> None:
+    """Run `parts` one after the other over every batch. The batches are read once, by the
+    first part; each batch's tensors a later part reads (graph inputs included) wait in a
+    scratch folder, and each part's Hessians are handed to a scratch file once its pass is done,
+    so memory holds one part's weights and statistics at a time."""
+    graph_inputs_later = {name for part in parts[1:] for name in part.feeds}
+    passed = {name for part in parts for name in part.passes_on}
+    graph_feeds = sorted({name for part in parts for name in part.feeds} - passed)
+    from_parts = {name for part in parts for name in part.observed}
+    from_batches = [name for name in observed.names() if name not in from_parts]
+    line = "calibrating {description}: {count} samples"
+    with (
+        tempfile.TemporaryDirectory(prefix="qtool-parts-") as scratch,
+        bars(progress, *_columns("calibrating {task.description}"), line=line) as bar,
+    ):
+        waiting = _Waiting(Path(scratch))
+        spill = HessianSpill()
+        sizes: list[int] = []
+        for number, part in enumerate(parts):
+            fetch = list(dict.fromkeys([*part.observed, *part.passes_on]))
+            what = f"part {number + 1} of {len(parts)} of the model"
+            with phase(f"calibrating: loading {what} into ONNX Runtime"):
+                session = _session([part.model], fetch, model_dir, None, threads, what)
+            task = bar.add_task(f"part {number + 1}/{len(parts)}", total=total_samples)
+            if number == 0:
+                for index, batch in enumerate(batches):
+                    missing = [name for name in graph_feeds if name not in batch.inputs]
+                    if missing:  # what ORT says of one session's missing feed, said up front
+                        raise CalibrationError(
+                            f"calibration batch {index} has no input {missing[0]!r}"
+                        )
+                    observed.update({name: batch.inputs[name] for name in from_batches})
+                    feed = {name: batch.inputs[name] for name in part.feeds}
+                    for name in graph_inputs_later & set(batch.inputs):
+                        waiting.put(index, name, batch.inputs[name])
+                    _run_part(session, fetch, feed, part, observed, waiting, index)
+                    sizes.append(len(batch))
+                    bar.advance(task, len(batch))
+            else:
+                for index, size in enumerate(sizes):
+                    feed = {name: waiting.get(index, name) for name in part.feeds}
+                    _run_part(session, fetch, feed, part, observed, waiting, index)
+                    bar.advance(task, size)
+            del session
+            later = {name for following in parts[number + 1 :] for name in following.feeds}
+            waiting.drop(lambda name, later=later: name not in later)
+            finished = [*part.observed, *(from_batches if number == 0 else ())]
+            for name in finished:  # read back from disk when the build needs it
+                accumulator = observed.hessians.get(name)
+                if accumulator is not None:
+                    spill.store(accumulator)
+            # the part's weights and Hessians went in pieces glibc keeps for reuse otherwise: the
+            # next part's would come on top (SmolLM2-135M: +50 MB per part)
+            release_freed_memory()
+
+
+def _run_part(
+    session: onnxruntime.InferenceSession,
+    fetch: list[str],
+    feed: dict,
+    part: Part,
+    observed: _Observed,
+    waiting: _Waiting,
+    index: int,
+) -> None:
+    values = dict(zip(fetch, _run(session, fetch, feed), strict=True))
+    observed.update({name: values[name] for name in part.observed})
+    for name in part.passes_on:
+        waiting.put(index, name, values[name])
+
+
+class _Waiting:
+    """Tensors of each batch that a later part reads, one .npy file each until no part needs
+    them (tensor names are arbitrary strings: files are numbered)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.numbers: dict[str, int] = {}
+        self.files: dict[str, list[Path]] = {}
+
+    def _path(self, index: int, name: str) -> Path:
+        number = self.numbers.setdefault(name, len(self.numbers))
+        return self.folder / f"{index}_{number}.npy"
+
+    def put(self, index: int, name: str, array: np.ndarray) -> None:
+        path = self._path(index, name)
+        try:
+            np.save(path, np.asarray(array), allow_pickle=False)
+        except OSError as exc:
+            raise OutputError(
+                f"{self.folder}: cannot hold the tensors calibration passes between the parts "
+                f"of the model ({exc.strerror}); free space in the temporary folder or point "
+                "TMPDIR at a larger one"
+            ) from None
+        self.files.setdefault(name, []).append(path)
+
+    def get(self, index: int, name: str) -> np.ndarray:
+        return np.load(self._path(index, name), allow_pickle=False)
+
+    def drop(self, done) -> None:
+        """Remove the files of every tensor `done` accepts."""
+        for name in [n for n in self.files if done(n)]:
+            for path in self.files.pop(name):
+                path.unlink(missing_ok=True)
 
 
 def collect_statistics(

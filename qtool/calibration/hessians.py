@@ -6,11 +6,13 @@ layer input, whatever the sample count) and merged across shards and processes b
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from qtool.errors import CalibrationError, DataError
+from qtool.errors import CalibrationError, DataError, OutputError
 
 # Flat positions of a K x K matrix's upper triangle, row by row, per K (a 1536-wide input:
 # 9.4 MB, once): what a batch's product adds to a packed sum.
@@ -163,3 +165,35 @@ class HessianAccumulator:
         if self.rows == 0:
             raise CalibrationError(f"tensor {self.name!r}: no calibration rows seen")
         return self.xtx / self.rows
+
+
+class HessianSpill:
+    """A scratch folder of finished Hessians: each stored accumulator's triangle is written to
+    its own .npy file and read back on access. The folder lives as long as an accumulator reads
+    from it (each reader holds this object), so a calibration part by part
+    (calibration/parts.py) holds one part's Hessians at a time, not the whole model's."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="qtool-hessians-")
+        self._count = 0
+
+    def store(self, accumulator: HessianAccumulator) -> None:
+        """Write `accumulator`'s sum to the folder and let it go (`HessianAccumulator.store`)."""
+        path = Path(self._folder.name) / f"{self._count}.npy"
+        self._count += 1
+        accumulator.pack()
+        triangle = accumulator._packed
+        if triangle is None:  # already stored or derived: nothing held to let go
+            return
+        try:
+            np.save(path, triangle, allow_pickle=False)
+        except OSError as exc:
+            raise OutputError(
+                f"{path.parent}: cannot hold the calibration Hessians ({exc.strerror}); free "
+                "space in the temporary folder or point TMPDIR at a larger one"
+            ) from None
+
+        def read(spill: HessianSpill = self) -> np.ndarray:
+            return np.load(path, allow_pickle=False)
+
+        accumulator.store(read)
