@@ -267,3 +267,32 @@ def test_same_source_ignores_the_key_the_data_sits_under(tmp_path):
     assert same_source(a, DataSpec("evaluation.data", npz=tmp_path / "a.npz"))
     assert not same_source(a, DataSpec("evaluation.data", npz=tmp_path / "b.npz"))
     assert not same_source(a, DataSpec("evaluation.data", python=f"{tmp_path}/a.py:f"))
+
+
+def test_a_weight_only_recipe_is_not_compared_with_the_same_model(folder, monkeypatch):
+    """Weight-only: no range is read, so another range method writes plain min-max's very
+    model. The build says so instead of building and scoring it twice, and writes the bytes the
+    min-max recipe writes."""
+    from qtool.pipeline import keep
+
+    def weight_only(name: str, method: str) -> Path:
+        path = folder / f"{name}.yaml"
+        path.write_text(
+            "model: {onnx: mlp.onnx}\n"
+            "inputs: {x: [1, 16]}\n"
+            f"calibration: {{data: {{npz: calib.npz}}, batch_size: 32, method: {method}}}\n"
+            "quantization: {op_types: [MatMul], activations: float}\n"
+            f"output: {{dir: out-{name}}}\n"
+        )
+        return path
+
+    monkeypatch.setattr(keep, "score_models", lambda *a, **k: pytest.fail("scored"))
+    result = quantize(load_recipe(weight_only("wo", "percentile")), progress=False)
+    choice = result.report["model_choice"]
+    assert choice["kept"] == RECIPE and "nothing was compared" in choice["reason"]
+    plain = quantize(load_recipe(weight_only("wo-minmax", "minmax")), progress=False)
+
+    def graph(path: Path) -> bytes:
+        return onnx.load(path).graph.SerializeToString(deterministic=True)
+
+    assert graph(result.model_path) == graph(plain.model_path)

@@ -84,6 +84,18 @@ def build_kept(
     built = build_quantized(float_model, layout, statistics, settings, progress)
     if not settings.compare_minmax:
         return built
+    if not layout.activations and not settings.algorithms:
+        # Nothing reads a range (weight-only, dynamic, float) and no algorithm runs: plain
+        # min-max is this very model. Built and scored anyway, it cost a decoder two more
+        # sessions and its tuning logits (examples/smollm: 2.6 GB against 0.7 GB).
+        built.choice = {
+            "kept": RECIPE,
+            "metric": settings.score.metric,
+            "recipe_model": {"method": settings.calibration.method, "algorithms": []},
+            "reason": "the plan quantizes no activation with a calibrated range and the recipe "
+            "runs no algorithm: plain min-max is the same model, so nothing was compared",
+        }
+        return built
     if settings.tuning is None:
         raise ValueError("the comparison with plain min-max needs tuning rows")
     if float_model.model is None and float_model.staged is not None:
