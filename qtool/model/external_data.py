@@ -22,7 +22,9 @@ byte-identical to those of a qtool without this module.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -46,6 +48,7 @@ __all__ = [
     "check_skeleton",
     "convert_without_weights",
     "data_nbytes",
+    "external_beyond_initializers",
     "external_files",
     "is_lazy",
     "lazy_file",
@@ -57,6 +60,7 @@ __all__ = [
     "stages_weights",
     "save_model",
     "stage_model",
+    "all_weights_on_disk",
     "weightless_copy",
 ]
 
@@ -257,6 +261,13 @@ def make_lazy(model: onnx.ModelProto, folder: Path) -> None:
                     entry.value = str((Path(folder) / entry.value).resolve())
 
 
+def external_beyond_initializers(model: onnx.ModelProto) -> bool:
+    """Whether a tensor other than a main-graph initializer (a node attribute's, a subgraph's)
+    keeps its data in an external file."""
+    rest = itertools.islice(_graph_tensors(model.graph), len(model.graph.initializer), None)
+    return any(t.data_location == TensorProto.EXTERNAL for t in rest)
+
+
 def is_lazy(model: onnx.ModelProto) -> bool:
     """Whether any initializer of `model` is a lazy weight."""
     return any(lazy_file(t) is not None for t in model.graph.initializer)
@@ -279,11 +290,56 @@ def _read_lazy(tensor: TensorProto) -> bytes:
     return data
 
 
+# Element types whose raw_data is the array's bytes as numpy holds them (little-endian, one
+# numpy element per ONNX element): a lazy one is read straight into its array.
+_PLAIN_TYPES = {
+    TensorProto.FLOAT: np.float32,
+    TensorProto.DOUBLE: np.float64,
+    TensorProto.FLOAT16: np.float16,
+    TensorProto.INT8: np.int8,
+    TensorProto.UINT8: np.uint8,
+    TensorProto.INT16: np.int16,
+    TensorProto.UINT16: np.uint16,
+    TensorProto.INT32: np.int32,
+    TensorProto.UINT32: np.uint32,
+    TensorProto.INT64: np.int64,
+    TensorProto.UINT64: np.uint64,
+}
+
+
+def _read_plain(tensor: TensorProto, dtype: type) -> np.ndarray:
+    """A lazy weight of a plain type read into its array with one readinto: through a proto, its
+    bytes were copied twice more (a 2.15 GB decoder: 4 CPU s of its quantization)."""
+    where = lazy_file(tensor)
+    assert where is not None
+    path, offset, length = where
+    array = np.empty(tuple(tensor.dims), dtype)
+    if array.nbytes != length:
+        raise ModelError(
+            f"initializer {tensor.name!r}: {length} bytes in {path} for dims "
+            f"{list(tensor.dims)} of {np.dtype(dtype).name}"
+        )
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            read = handle.readinto(memoryview(array.reshape(-1)).cast("B"))
+    except OSError as exc:
+        raise ModelError(f"initializer {tensor.name!r}: cannot read {path} ({exc})") from None
+    if read != length:
+        raise ModelError(
+            f"initializer {tensor.name!r}: {path} ends before offset {offset} + {length} bytes"
+        )
+    return array
+
+
 def tensor_array(tensor: TensorProto) -> np.ndarray:
     """`tensor`'s values as numpy_helper.to_array gives them; a lazy weight is read from its file
     (one tensor's bytes, the proto untouched: the model's memory does not grow)."""
     if lazy_file(tensor) is None:
         return numpy_helper.to_array(tensor)
+    plain = _PLAIN_TYPES.get(tensor.data_type)
+    if plain is not None and sys.byteorder == "little":
+        return _read_plain(tensor, plain)
     loaded = TensorProto()
     copy_fields(tensor, loaded, _DATA_FIELDS)
     loaded.raw_data = _read_lazy(tensor)
@@ -491,7 +547,7 @@ def check_skeleton(skeleton: onnx.ModelProto) -> None:
     _check_skeleton(checked, end, skeleton.graph.name)
 
 
-@dataclass
+@dataclass(eq=False)
 class StagedModel:
     """A model written as external data beside its target but not committed yet.
 
@@ -499,17 +555,45 @@ class StagedModel:
     staged); until then `session_path`, a second skeleton beside the staged data that names it,
     is what ONNX Runtime sessions and `onnx.load` open. The temporary files go away with
     `discard()`, or when the object is garbage collected or the process exits.
+
+    A model whose weights are all on disk already (lazy weights in the user's files) is staged
+    deferred (`stage_model(..., defer=True)`): hashed now, written the first time something
+    opens or commits it. A 4-bit weight-only run of a 2.15 GB decoder opens no float session and
+    keeps no float copy: writing one cost it 6 of its 26 seconds, for a file it then deleted.
     """
 
     path: Path
     skeleton: bytes  # the .onnx file's content; its references name `path`.data
-    data: Staged
-    session: Staged
     sha256: str
-    _finalizer: weakref.finalize = field(init=False, repr=False)
+    data_bytes: int  # the data file's size
+    _files: tuple[Staged, Staged] | None = None  # (data, session), once written
+    _pending: Callable[[], tuple[Staged, Staged]] | None = field(default=None, repr=False)
+    _finalizer: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, _discard, self.data, self.session)
+        if self._files is not None:
+            self._finalizer = weakref.finalize(self, _discard, *self._files)
+
+    def _written(self) -> tuple[Staged, Staged]:
+        if self._files is None:
+            if self._pending is None:
+                raise ValueError(f"{self.path}: the staged model was discarded")
+            self._files, self._pending = self._pending(), None
+            self._finalizer = weakref.finalize(self, _discard, *self._files)
+        return self._files
+
+    @property
+    def written(self) -> bool:
+        """Whether the files exist (a deferred stage writes them on first use)."""
+        return self._files is not None
+
+    @property
+    def data(self) -> Staged:
+        return self._written()[0]
+
+    @property
+    def session(self) -> Staged:
+        return self._written()[1]
 
     @property
     def session_path(self) -> Path:
@@ -552,7 +636,9 @@ class StagedModel:
         return onnx.load(str(self.session_path), load_external_data=False)
 
     def discard(self) -> None:
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
+        self._pending = None
 
 
 def _discard(*staged: Staged) -> None:
@@ -560,22 +646,63 @@ def _discard(*staged: Staged) -> None:
         item.discard()
 
 
-def stage_model(model: onnx.ModelProto, path: Path) -> StagedModel:
+class _HashOnly:
+    """A sink for `_write_data` that keeps nothing: the digest is all a deferred stage needs."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def stage_model(model: onnx.ModelProto, path: Path, *, defer: bool = False) -> StagedModel:
     """Stage `model` as `path` + `path`.data (temporary files beside them, fsynced), hashing the
-    files' bytes as they are written. `model` is not modified."""
+    files' bytes as they are written. `model` is not modified.
+
+    `defer`: hash now and write when first needed (StagedModel); `model` must then stay as it
+    is, its large weights lazy (`lazy_file`), since they are read again then. The bytes written
+    are checked against the hash: a data file changed meanwhile is an error, not another model."""
     path = Path(path)
     layout = _layout(model, data_location(path))
     skeleton = _serialize_skeleton(layout.skeleton, model.graph.name)
+    name = model.graph.name
+
+    def write(expected: str | None = None) -> tuple[Staged, Staged, str]:
+        digest = hashlib.sha256(skeleton)
+        data = stage(path.parent / data_location(path), lambda h: _write_data(layout, h, digest))
+        try:
+            if expected is not None and digest.hexdigest() != expected:
+                files = sorted({str(f) for f in _lazy_files(layout)})
+                raise ModelError(
+                    f"{', '.join(files) or path}: changed on disk while qtool ran (its weights "
+                    "no longer hash as they did when the model was read)"
+                )
+            _set_location(layout.skeleton, data.path.name)
+            session_bytes = _serialize_skeleton(layout.skeleton, name)
+            session = stage(path, lambda h: h.write(session_bytes))
+        except BaseException:
+            data.discard()
+            raise
+        return data, session, digest.hexdigest()
+
+    if not defer:
+        data, session, sha256 = write()
+        return StagedModel(path, skeleton, sha256, _data_end(layout), (data, session))
     digest = hashlib.sha256(skeleton)
-    data = stage(path.parent / data_location(path), lambda h: _write_data(layout, h, digest))
-    try:
-        _set_location(layout.skeleton, data.path.name)
-        session_bytes = _serialize_skeleton(layout.skeleton, model.graph.name)
-        session = stage(path, lambda h: h.write(session_bytes))
-    except BaseException:
-        data.discard()
-        raise
-    return StagedModel(path, skeleton, data, session, digest.hexdigest())
+    _write_data(layout, _HashOnly(), digest)
+    sha256 = digest.hexdigest()
+    return StagedModel(
+        path, skeleton, sha256, _data_end(layout), _pending=lambda: write(sha256)[:2]
+    )
+
+
+def _lazy_files(layout: _Layout) -> list[Path]:
+    return [where[0] for t in layout.tensors if (where := lazy_file(t)) is not None]
+
+
+def all_weights_on_disk(model: onnx.ModelProto, held_limit: int) -> bool:
+    """Whether `model`'s large weights are lazy and what it holds in memory stays under
+    `held_limit` bytes: then staging it can wait (stage_model's `defer`)."""
+    held = sum(tensor_nbytes(t) for t in model.graph.initializer if lazy_file(t) is None)
+    return is_lazy(model) and held < held_limit
 
 
 # Reading

@@ -164,6 +164,11 @@ def load_onnx(
         hash_files(digest, files, path)
     if read_files is not None:  # the source's size without parsing the file again
         read_files.extend([path, *files])
+    large = _external_nbytes(model) >= external_data.STAGE_WEIGHTS_THRESHOLD
+    if large and not external_data.external_beyond_initializers(model):
+        _reference_in_place(model, path)
+        check_initializers(model, str(path))
+        return model
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # a location outside the folder, a file shorter than an offset
@@ -171,6 +176,54 @@ def load_onnx(
     clear_default_locations(model)
     check_initializers(model, str(path))
     return model
+
+
+def _external_nbytes(model: onnx.ModelProto) -> int:
+    """Bytes of the main graph's initializers that live in external data files."""
+    return sum(
+        raw_nbytes(t)
+        for t in model.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    )
+
+
+def _reference_in_place(model: onnx.ModelProto, path: Path) -> None:
+    """Leave a large model's external weights in the user's data files, as lazy weights
+    (external_data.lazy_file) read one at a time when a stage needs one, as a large inline
+    model's are: reading them all into the proto cost a 2.15 GB decoder 2 CPU s and its whole
+    size in memory before preparation began. Each reference is checked as onnx's loader checks
+    it: inside the model's folder, within its file."""
+    from qtool.model.external_data import make_lazy
+
+    folder = path.parent.resolve()
+    sizes: dict[Path, int] = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = entries.get("location", "")
+        file = (folder / location).resolve()
+        if not location or Path(location).is_absolute() or not file.is_relative_to(folder):
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r}: external data location {location!r} is "
+                "not a file in the model's folder"
+            )
+        if file not in sizes:
+            sizes[file] = file.stat().st_size
+        try:
+            offset = int(entries.get("offset", 0))
+            length = int(entries["length"]) if "length" in entries else raw_nbytes(tensor)
+        except ValueError:
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r}: external data offset or length is not "
+                "a number"
+            ) from None
+        if offset < 0 or length < 0 or offset + length > sizes[file]:
+            raise ModelError(
+                f"{path}: initializer {tensor.name!r}: {file.name} ends before offset "
+                f"{offset} + {length} bytes"
+            )
+    make_lazy(model, folder)
 
 
 def _load_large_inline(

@@ -260,8 +260,8 @@ def _sizes(float_model: FloatModel, quant_files: dict[Path, bytes | Staged]) -> 
     """The quantized model's size against the user's model file and the prepared float model
     (they differ where preparation stored a tied table once that the export stored twice)."""
     quantized = _file_bytes(quant_files)
-    if float_model.staged is not None:
-        prepared = _file_bytes(float_model.staged.files())
+    if float_model.staged is not None:  # what its files hold, written or not (deferred)
+        prepared = len(float_model.staged.skeleton) + float_model.staged.data_bytes
     elif float_model.float_file is not None:
         prepared = float_model.float_file.path.stat().st_size
     else:
@@ -361,7 +361,7 @@ def _float_bytes(float_model: FloatModel) -> int:
     spilled file, or its bytes."""
     staged = float_model.staged
     if staged is not None:
-        return len(staged.skeleton) + staged.data.path.stat().st_size
+        return len(staged.skeleton) + staged.data_bytes
     if float_model.serialized is not None:
         return len(float_model.serialized)
     return float_model.float_file.path.stat().st_size

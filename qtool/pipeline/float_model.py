@@ -195,6 +195,11 @@ def prepare_in_place(model: onnx.ModelProto, min_opset: int, where: str) -> onnx
             raise ModelError(f"{where}: {exc}") from None
 
 
+# A prepared model holding at most this much in memory (small initializers, folded constants)
+# beside its lazy weights is staged deferred: held as it is, not re-read from the staged file.
+DEFER_HELD_BYTES = 64 << 20
+
+
 def freeze(
     model: onnx.ModelProto, float_path: Path, source: str, source_bytes: int | None = None
 ) -> FloatModel:
@@ -210,10 +215,17 @@ def freeze(
         # beside model.fp32.onnx (hashed while it is written); read back from there (lazily)
         # for the reason the small path re-parses.
         over_limit = external_data.needs_external_data(model)
-        with phase("writing the float model (external data)"):
-            staged = external_data.stage_model(model, float_path)
-            del model
-            lazy = staged.lazy()
+        if external_data.all_weights_on_disk(model, DEFER_HELD_BYTES):
+            # Its weights are in the user's files already: hashed now, written only if a stage
+            # opens it or the float copy is kept; the model goes on reading them from there.
+            with phase("hashing the float model"):
+                staged = external_data.stage_model(model, float_path, defer=True)
+            lazy = model
+        else:
+            with phase("writing the float model (external data)"):
+                staged = external_data.stage_model(model, float_path)
+                del model
+                lazy = staged.lazy()
         return FloatModel(
             lazy,
             None,
