@@ -18,6 +18,10 @@ that product and dropped before the next batch, so memory stays flat in the samp
 
 SmoothQuant's per-channel min/max and row samples ride on it too (`channel_observers`,
 qtool/calibration/channels.py): each observer's tensor is fetched with the others, once.
+
+A staged model with more than PART_BYTES of weights runs as consecutive parts instead, one
+session at a time over every batch (qtool/calibration/parts.py, `_collect_by_parts`): one session
+of the whole model held every weight and, by its last batch, every Hessian.
 """
 
 from __future__ import annotations
@@ -150,7 +154,9 @@ class _Observed:
     ) -> None:
         self.ranges = {name: HistogramObserver(name, bins * 2, device=device) for name in tensors}
         self.hessians = _hessian_accumulators(model, hessian_names)
-        self.channels = {observer.name: observer for observer in channel_observers}
+        self.channels: dict[str, list[ChannelObserver]] = {}
+        for observer in channel_observers:
+            self.channels.setdefault(observer.name, []).append(observer)
 
     def names(self) -> list[str]:
         """Every tensor observed, once."""
@@ -170,8 +176,8 @@ class _Observed:
                         )
                     accumulator = self.hessians[name] = HessianAccumulator(array.shape[-1], name)
                 accumulator.update(array)
-            if name in self.channels:
-                self.channels[name].update(array)
+            for observer in self.channels.get(name, ()):
+                observer.update(array)
 
     def results(
         self, tensors: list[str]
