@@ -289,3 +289,15 @@ def test_auto_with_the_int4_presets_algorithms_writes_the_plan_it_chose(tmp_path
     assert chosen["node_embedding"] == "int8"  # the block says what was written
     notes = report["mixed_precision"]["notes"]
     assert any("node_embedding, node_linear_14: readers of one stored (tied)" in n for n in notes)
+    # and priced as the recipe writes them (int8, one table), not float: priced float, every
+    # prediction was high by the table's saving (12% here); what is left is AWQ's inverse-scale
+    # Muls, which the uniform models the prices come from do not have (3% of this tiny model)
+    block = report["mixed_precision"]
+    for iteration in block["iterations"]:
+        predicted, measured = iteration["predicted"], iteration["measured"]
+        assert abs(predicted["size_bytes"] - measured["size_bytes"]) < 0.05 * measured["size_bytes"]
+    reference = block["references"]["int8"]  # built without algorithms: priced exactly
+    assert abs(reference["predicted_size_bytes"] - reference["size_bytes"]) < 100
+    embedding = next(n for n in block["nodes"] if n["name"] == "node_embedding")
+    assert list(embedding["choices"]) == ["int8"]
+    assert embedding["choices"]["int8"]["penalty"] is None  # not measured: in every plan

@@ -16,9 +16,13 @@ This module splits a model's bytes exactly that way, so the parts add up to the 
   boundary;
 - a node planned dynamic int8 owns the DynamicQuantizeLinear of its input (shared by the
   nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger;
+- a Shape and Concat the writer inserted to compute the shape a Reshape after a planned node
+  restores (the tied table's GatherBlockQuantized) are that node's;
 - an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
   DequantizeLinear, their scale and zero point, and the bytes by which unplanned nodes grow when
   they read the slot's longer `..._dequantized` name;
+- an unplanned node of constants only that feeds only planned nodes (the Transpose of a tied
+  table that the lm_head reads) is theirs;
 - everything else (unplanned nodes, shape constants, graph inputs and outputs) is the rest.
 
 The pieces are found from the graph's structure (what reads and writes what), not from the
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 import onnx
 
 REST = ("rest", "")
+# Ops the writer inserts only to compute a Reshape's target shape (write/tied.py)
+_SHAPE_HELPERS = frozenset({"Shape", "Concat"})
 Owner = tuple[str, str]  # ("node", name) | ("slot", tensor) | REST
 
 
@@ -109,10 +115,22 @@ def attribute(
             return ("node", clamps[name])
         return REST
 
+    def weight_prep(node: onnx.NodeProto) -> list[Owner]:
+        """The planned nodes an unplanned node of constants only serves (the Transpose of a tied
+        table that its lm_head reads: gone where the writer reads the table itself), or []."""
+        if any(name and name not in initializers for name in node.input):
+            return []
+        readers = [nodes[r] for out in node.output for r in consumers.get(out, [])]
+        if not readers or any(r.name not in planned for r in readers):
+            return []
+        return list(dict.fromkeys(("node", r.name) for r in readers))
+
     owners: dict[int, list[Owner]] = {}
     for i, node in enumerate(nodes):
         if node.name in float_nodes:
             owners[i] = [float_owner(node.name)]
+            if owners[i] == [REST] and node.name not in clamps:
+                owners[i] = weight_prep(node) or [REST]
         elif node.op_type == "QuantizeLinear" and node.input[0] not in initializers:
             read = node.input[0]
             cast = nodes[producer[read]] if read in producer else None
@@ -152,6 +170,17 @@ def attribute(
                 raise RuntimeError(f"size model: nothing reads the output of {node.name!r}")
             owners[i] = found
             return found
+        if node.op_type in _SHAPE_HELPERS:
+            # A shape the writer computes for a Reshape after a planned node (the tied table's
+            # GatherBlockQuantized rows back to the Gather's shape, write/tied.py): the
+            # Reshape's, found through the nodes that read it
+            found = []
+            for out in node.output:
+                for reader in consumers.get(out, []):
+                    found.extend(o for o in owner_of(reader, seen | {i}) if o not in found)
+            if found and all(kind == "node" for kind, _ in found):
+                owners[i] = found
+                return found
         upstream_op = nodes[producer[data[0]]].op_type if data and data[0] in producer else ""
         if node.op_type == "Cast" and upstream_op == "MatMulInteger":
             # dynamic int8's Cast of the integer product: the planned node's, written under

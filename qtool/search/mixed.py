@@ -275,7 +275,7 @@ def _problem(
         for name in names:
             fallback = "int8" if "int8" in allowed[name] and precision == "int4" else "float"
             plan[name] = precision if name in chosen else fallback
-        layout = assembler.layout(_pins(plan))
+        layout = assembler.layout(_pins(plan, unpinned))  # tied readers as the recipe has them
         for name in chosen:
             planned = layout.plan[name]
             if planned.precision != precision:
@@ -295,6 +295,9 @@ def _problem(
         for p, layout in layouts.items()
     }
     wanted = wanted_slots(lambda plan: assembler.layout(_pins(plan)), names, uniforms)
+    # What the recipe makes of the unpinned readers: in every plan, so priced at that alone
+    # (priced float, a tied int8 table made every prediction high by its saving: SmolLM2 80 MB)
+    recipe_made = {name: next(iter(uniforms.values())).plan[name] for name in unpinned if uniforms}
     sizes_model = size_model(
         float_model.model,
         len(float_model.serialized),
@@ -303,6 +306,7 @@ def _problem(
         wanted,
         clamps,
         stamp_bytes,
+        recipe_made,
     )
     notes.extend(sizes_model.notes)
     profiles = _profiles(prepared, uniforms, names, feed) if feed is not None else {}
@@ -311,12 +315,16 @@ def _problem(
     for name in names:
         prices = sizes_model.prices[name]
         usable = [p for p in reversed(ORDER) if p in allowed[name] and p in prices]
+        if name in recipe_made and recipe_made[name] in prices:
+            usable = [recipe_made[name]]  # the recipe's, in every plan: no choice to make
         if not usable:
             raise RecipeError(
                 f"{job.where}: mixed_precision: node {name!r} has no usable candidate among "
                 f"{', '.join(candidates)} (add float to mixed_precision.candidates)"
             )
-        penalties = {p: scale.penalty(analysis, name, p) for p in usable}
+        penalties = {
+            p: 0.0 if name in recipe_made else scale.penalty(analysis, name, p) for p in usable
+        }
         sizes[name] = [Choice(p, prices[p], penalties[p]) for p in usable]
         options[name] = sizes[name]
         if profiles:

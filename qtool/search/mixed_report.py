@@ -91,12 +91,15 @@ def _choices(
     knapsack = {c.precision: c for c in options}
     priced = {}
     for choice in sizes:
+        # None: not measured (a tied reader the recipe decides, in every plan alike)
+        measured = analysis.penalty(name, choice.precision)
         entry = {
             "bytes": int(round(choice.cost)),
-            "penalty": json_float(analysis.penalty(name, choice.precision)),
+            "penalty": None if measured is None else json_float(measured),
         }
         if scale.flips is not None:
-            entry["margin_noise"] = json_float(analysis.margin_noise(name, choice.precision))
+            noise = analysis.margin_noise(name, choice.precision)
+            entry["margin_noise"] = None if noise is None else json_float(noise)
             entry["knapsack_penalty"] = json_float(choice.penalty)
             entry["predicted_drop"] = json_float(scale.predicted(max(choice.penalty, 0.0)))
         if timed:

@@ -89,7 +89,8 @@ def predicted_size(
     options: Mapping[str, Sequence[Choice]], plan: Mapping[str, str], float_size: float
 ) -> int:
     """`float_size` (the prediction with every planned node float: sizes.SizeModel.all_float)
-    minus each node's float bytes plus its bytes at the chosen precision."""
+    minus each node's float bytes plus its bytes at the chosen precision (a node with no float
+    choice, left to the recipe, is in `float_size` at its precision already)."""
     size = float(float_size)
     for node, precision in plan.items():
         by_precision = {c.precision: c.cost for c in options[node]}

@@ -53,6 +53,8 @@ class SizeModel:
     fixed: int
     prices: dict[str, dict[str, float]]
     notes: list[str] = field(default_factory=list)
+    # Nodes the search leaves to the recipe, at the precision it gives them in every plan
+    recipe_made: dict[str, str] = field(default_factory=dict)
 
     def predict(self, plan: Mapping[str, str]) -> int | None:
         """The file size of `plan` as written (provenance stamp included); None when a node's
@@ -62,9 +64,12 @@ class SizeModel:
         return int(round(self.fixed + sum(self.prices[n][p] for n, p in plan.items())))
 
     def all_float(self) -> float:
-        """The prediction with every planned node float, unrounded: the base from which
-        promote.predicted_size adds each node's price difference."""
-        return self.fixed + sum(prices["float"] for prices in self.prices.values())
+        """The prediction with every planned node float but those left to the recipe (at its
+        precision, as in every plan), unrounded: the base from which promote.predicted_size adds
+        each node's price difference."""
+        return self.fixed + sum(
+            prices[self.recipe_made.get(name, "float")] for name, prices in self.prices.items()
+        )
 
 
 def wanted_slots(
@@ -134,10 +139,14 @@ def size_model(
     wanted: Mapping[tuple[str, str], frozenset[str]],
     clamps: Mapping[str, str],
     stamp_bytes: int,
+    recipe_made: Mapping[str, str] | None = None,
 ) -> SizeModel:
     """Prices for every planned node (`names`) at float and at each precision a uniform model
     gives it, and the fixed part. `float_bytes`: the float model serialized; `clamps`:
-    clamp_owners of the uniform layouts; `stamp_bytes`: qtool's provenance metadata."""
+    clamp_owners of the uniform layouts; `stamp_bytes`: qtool's provenance metadata;
+    `recipe_made`: nodes the search leaves to the recipe (readers of a tied weight) and the
+    precision it gives them, priced from the first uniform model that holds them so."""
+    recipe_made = recipe_made or {}
     floats = attribute(float_model, float_bytes, float_model, set(names), clamps, {})
     prices: dict[str, dict[str, float]] = {n: {"float": floats.nodes.get(n, 0.0)} for n in names}
     sharers: dict[str, set[str]] = defaultdict(set)
@@ -148,12 +157,15 @@ def size_model(
     for precision, model in uniforms.items():
         split = model.parts
         for name in names:
-            if model.plan[name] != precision:
+            held = model.plan[name]
+            left = name in recipe_made and held == recipe_made[name] and held not in prices[name]
+            if held != precision and not left:
                 continue
             pairs = sum(
-                split.slots.get(t, 0.0) / len(sharers[t]) for t in wanted[(name, precision)]
+                split.slots.get(t, 0.0) / len(sharers[t])
+                for t in wanted.get((name, held), frozenset())
             )
-            prices[name][precision] = split.nodes.get(name, 0.0) + pairs
+            prices[name][held] = split.nodes.get(name, 0.0) + pairs
         orphans = sum(size for tensor, size in split.slots.items() if not sharers[tensor])
         if orphans:
             notes.append(
@@ -162,4 +174,5 @@ def size_model(
             )
     # The header (producer, opsets, graph length prefix) of a file the writer wrote.
     written = next((uniforms[p].parts for p in ("int8", "int4") if p in uniforms), floats)
-    return SizeModel(int(round(written.header + floats.rest)) + stamp_bytes, prices, notes)
+    made = {name: p for name, p in recipe_made.items() if p in prices[name]}
+    return SizeModel(int(round(written.header + floats.rest)) + stamp_bytes, prices, notes, made)
