@@ -146,7 +146,13 @@ def _tensors(model: onnx.ModelProto, names: list[str], x: np.ndarray) -> dict[st
     return dict(zip(names, session.run(names, {"x": x}), strict=True))
 
 
-def test_awq_transform_is_exact_and_folds_where_it_is_free(tmp_path):
+AWQ_INPUTS = ["normed", "qk", "res", "gated"]
+AWQ_PARAMS = AwqParams(grid=20)
+
+
+def _awq_case(tmp_path):
+    """The decoder layer prepared, its 4-bit re-planner, outlier inputs, the activations of
+    AWQ_INPUTS and `y` on them, and those inputs' Hessians."""
     _decoder_layer(tmp_path / "layer.onnx")
     model = prepare_model(onnx.load(tmp_path / "layer.onnx"), min_opset=21)
     spec = QuantizationSpec(
@@ -156,16 +162,19 @@ def test_awq_transform_is_exact_and_folds_where_it_is_free(tmp_path):
     def replan(m):
         return planning.plan(m, spec, "minmax", "recipe")
 
-    layout = replan(model)
     x = _outlier_inputs(6)[:, :K]
-    inputs = ["normed", "qk", "res", "gated"]
-    acts = _tensors(model, inputs + ["y"], x)
+    acts = _tensors(model, AWQ_INPUTS + ["y"], x)
     hessians = {}
-    for name in inputs:
-        acc = HessianAccumulator(acts[name].shape[-1], name)
-        acc.update(acts[name])
-        hessians[name] = acc
-    scaled = awq.apply_awq(model, layout, AwqParams(grid=20), hessians, replan)
+    for name in AWQ_INPUTS:
+        hessians[name] = HessianAccumulator(acts[name].shape[-1], name)
+        hessians[name].update(acts[name])
+    return model, replan, x, acts, hessians
+
+
+def test_awq_transform_is_exact_and_folds_where_it_is_free(tmp_path):
+    model, replan, x, acts, hessians = _awq_case(tmp_path)
+    inputs = AWQ_INPUTS
+    scaled = awq.apply_awq(model, replan(model), AWQ_PARAMS, hessians, replan)
     entry = {layer["input"]: layer for layer in scaled.entry["layers"]}
     assert set(entry) == set(inputs)
     assert entry["normed"]["inverse_scale_in"] == "the constant 'gamma' of Mul 'norm'"
@@ -214,29 +223,13 @@ def test_awq_on_a_lazy_model_keeps_its_scaled_weights_on_disk(tmp_path):
     the model proto), with the values the in-memory transform gives; the file goes with it."""
     from qtool.model.external_data import lazy_file, make_lazy, tensor_array
 
-    _decoder_layer(tmp_path / "layer.onnx")
-    model = prepare_model(onnx.load(tmp_path / "layer.onnx"), min_opset=21)
-    spec = QuantizationSpec(
-        op_types=("MatMul",), weights=WeightSettings(bits=4, block_size=16, symmetric=True)
-    )
-
-    def replan(m):
-        return planning.plan(m, spec, "minmax", "recipe")
-
-    layout = replan(model)
-    x = _outlier_inputs(6)[:, :K]
-    inputs = ["normed", "qk", "res", "gated"]
-    acts = _tensors(model, inputs, x)
-    hessians = {}
-    for name in inputs:
-        hessians[name] = HessianAccumulator(acts[name].shape[-1], name)
-        hessians[name].update(acts[name])
-    whole = awq.apply_awq(model, layout, AwqParams(grid=20), hessians, replan)
+    model, replan, _, _, hessians = _awq_case(tmp_path)
+    whole = awq.apply_awq(model, replan(model), AWQ_PARAMS, hessians, replan)
     assert whole.scratch is None
     onnx.save(model, tmp_path / "ext.onnx", save_as_external_data=True, size_threshold=0)
     lazy = onnx.load(tmp_path / "ext.onnx", load_external_data=False)
     make_lazy(lazy, tmp_path)
-    scaled = awq.apply_awq(lazy, replan(lazy), AwqParams(grid=20), hessians, replan)
+    scaled = awq.apply_awq(lazy, replan(lazy), AWQ_PARAMS, hessians, replan)
     assert scaled.scratch is not None and scaled.scratch.path.is_file()
     expected = {t.name: numpy_helper.to_array(t) for t in whole.model.graph.initializer}
     moved = 0

@@ -355,8 +355,7 @@ def _collect_by_parts(
                     _run_part(session, fetch, feed, part, observed, waiting, index)
                     bar.advance(task, size)
             del session
-            later = {name for following in parts[number + 1 :] for name in following.feeds}
-            waiting.drop(lambda name, later=later: name not in later)
+            waiting.keep_only({n for following in parts[number + 1 :] for n in following.feeds})
             finished = [*part.observed, *(from_batches if number == 0 else ())]
             for name in finished:  # read back from disk when the build needs it
                 accumulator = observed.hessians.get(name)
@@ -410,9 +409,9 @@ class _Waiting:
     def get(self, index: int, name: str) -> np.ndarray:
         return np.load(self._path(index, name), allow_pickle=False)
 
-    def drop(self, done) -> None:
-        """Remove the files of every tensor `done` accepts."""
-        for name in [n for n in self.files if done(n)]:
+    def keep_only(self, needed: set[str]) -> None:
+        """Remove the files of every tensor not in `needed` (no later part reads it)."""
+        for name in [n for n in self.files if n not in needed]:
             for path in self.files.pop(name):
                 path.unlink(missing_ok=True)
 

@@ -41,6 +41,7 @@ from qtool.errors import ModelError
 from qtool.io import Staged, stage
 
 __all__ = [
+    "DATA_FIELDS",
     "EXTERNAL_DATA_THRESHOLD",
     "PROTOBUF_LIMIT",
     "StagedModel",
@@ -220,7 +221,8 @@ def copy_fields(src, dst, skip: frozenset[str]) -> None:
                 setattr(dst, fd.name, getattr(src, fd.name))
 
 
-_DATA_FIELDS = frozenset(
+# Fields of a TensorProto that hold or locate its data (the rest: name, dims, type)
+DATA_FIELDS = frozenset(
     {"raw_data", "external_data", "data_location", *(name for name, _ in _TYPED_FIELDS)}
 )
 
@@ -341,7 +343,7 @@ def tensor_array(tensor: TensorProto) -> np.ndarray:
     if plain is not None and sys.byteorder == "little":
         return _read_plain(tensor, plain)
     loaded = TensorProto()
-    copy_fields(tensor, loaded, _DATA_FIELDS)
+    copy_fields(tensor, loaded, DATA_FIELDS)
     loaded.raw_data = _read_lazy(tensor)
     return numpy_helper.to_array(loaded)
 
@@ -372,7 +374,7 @@ def _layout(model: onnx.ModelProto, location: str, keep: Collection[str] = ()) -
         if not _goes_external(init, keep):
             out.CopyFrom(init)
             continue
-        copy_fields(init, out, _DATA_FIELDS)
+        copy_fields(init, out, DATA_FIELDS)
         length = raw_nbytes(init)
         offset = -(-end // ALIGNMENT) * ALIGNMENT
         out.data_location = TensorProto.EXTERNAL

@@ -22,13 +22,9 @@ import numpy as np
 from onnx import TensorProto, numpy_helper
 
 from qtool.errors import OutputError
-from qtool.model.external_data import copy_fields, lazy_file
+from qtool.model.external_data import DATA_FIELDS, copy_fields, lazy_file
 
 __all__ = ["ScratchWeights"]
-
-# Fields of a TensorProto that hold or locate its data: replaced, the rest (name, dims, type)
-# copied from the array's own proto.
-_DATA_FIELDS = frozenset({"raw_data", "external_data", "data_location"})
 
 
 class ScratchWeights:
@@ -54,7 +50,7 @@ class ScratchWeights:
             ) from None
         offset, self._end = self._end, self._end + len(data)
         tensor.Clear()
-        copy_fields(array, tensor, _DATA_FIELDS)
+        copy_fields(array, tensor, DATA_FIELDS)  # name, dims, type
         tensor.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path), ("offset", offset), ("length", len(data))):
             entry = tensor.external_data.add()

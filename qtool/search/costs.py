@@ -129,7 +129,7 @@ def attribute(
     for i, node in enumerate(nodes):
         if node.name in float_nodes:
             owners[i] = [float_owner(node.name)]
-            if owners[i] == [REST] and node.name not in clamps:
+            if owners[i] == [REST]:  # neither planned nor a folded clamp
                 owners[i] = weight_prep(node) or [REST]
         elif node.op_type == "QuantizeLinear" and node.input[0] not in initializers:
             read = node.input[0]

@@ -161,10 +161,10 @@ def size_model(
             left = name in recipe_made and held == recipe_made[name] and held not in prices[name]
             if held != precision and not left:
                 continue
-            pairs = sum(
-                split.slots.get(t, 0.0) / len(sharers[t])
-                for t in wanted.get((name, held), frozenset())
-            )
+            # a node left to the recipe has no slots of its own to price (wanted_slots varies
+            # the search's nodes only)
+            slots = wanted.get((name, held), frozenset()) if left else wanted[(name, held)]
+            pairs = sum(split.slots.get(t, 0.0) / len(sharers[t]) for t in slots)
             prices[name][held] = split.nodes.get(name, 0.0) + pairs
         orphans = sum(size for tensor, size in split.slots.items() if not sharers[tensor])
         if orphans:
