@@ -461,15 +461,17 @@ int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
 }
 
 int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
-                            int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
-                            int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
-                            int32_t* out_best, uint8_t* out_values) {
+                            int32_t qmin, int32_t qmax, int32_t symmetric, int32_t signed_scales,
+                            const float* grid, int64_t grid_len, float* out_scale,
+                            uint8_t* out_zero_point, int32_t* out_best, uint8_t* out_values) {
   if (rows < 1 || columns < 1) return QT_ERR_EMPTY;
   if (block_len < 1 || grid_len < 1 || grid_len > 0x7fffffffLL || out_scale == nullptr) {
     return QT_ERR_BAD_ARG;
   }
   if (!qt_block_qrange_ok(qmin, qmax, symmetric != 0)) return QT_ERR_BAD_ARG;
-  if (symmetric == 0 && out_zero_point == nullptr) return QT_ERR_BAD_ARG;
+  if (symmetric == 0 && (out_zero_point == nullptr || signed_scales != 0)) {
+    return QT_ERR_BAD_ARG;
+  }
   for (int64_t j = 0; j < grid_len; ++j) {
     if (!(grid[j] > 0.0f && grid[j] <= 1.0f)) return QT_ERR_BAD_ARG;
   }
@@ -482,6 +484,7 @@ int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64
   a.qmin = static_cast<float>(qmin);
   a.qmax = static_cast<float>(qmax);
   a.symmetric = symmetric != 0;
+  a.signed_scales = signed_scales != 0;
   a.grid = grid;
   a.grid_len = grid_len;
   a.out_scale = out_scale;
@@ -497,7 +500,8 @@ int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64
   const int64_t strips = (columns + width - 1) / width;
   const int64_t per_block = std::min(block_len, rows);
   std::atomic<bool> finite{true};
-  const bool ok = parallel_items(num_blocks * strips, per_block * width * grid_len,
+  const int64_t candidates = grid_len + (signed_scales != 0 ? 1 : 0);
+  const bool ok = parallel_items(num_blocks * strips, per_block * width * candidates,
                                  [&](int64_t item) {
                                    const int64_t b = item / strips;
                                    const int64_t m0 = (item % strips) * width;

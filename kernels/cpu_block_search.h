@@ -31,6 +31,7 @@ struct BlockSearch {
   int64_t rows, columns, block_len;
   float qmin, qmax;
   bool symmetric;
+  bool signed_scales;    // symmetric only: the signed-scale grid competes last (qt_math.h)
   const float* grid;
   int64_t grid_len;
   float* out_scale;      // [num_blocks, columns]
@@ -69,23 +70,9 @@ inline bool column(const BlockSearch& a, int64_t k, int64_t m) {
     qt_block_range_step(v, lo, hi);
   }
   if (!finite) return false;
-  QtBlockQuant best = qt_block_quant_params(lo, hi, a.grid[0], a.qmin, a.qmax, a.symmetric);
   int32_t best_j = 0;
-  if (a.grid_len > 1) {
-    double best_err = 0.0;
-    for (int64_t r = 0; r < n; ++r) best_err += qt_block_sq_error(col[r * M], best, a.qmin, a.qmax);
-    for (int64_t j = 1; j < a.grid_len; ++j) {
-      const QtBlockQuant p =
-          qt_block_quant_params(lo, hi, a.grid[j], a.qmin, a.qmax, a.symmetric);
-      double err = 0.0;
-      for (int64_t r = 0; r < n; ++r) err += qt_block_sq_error(col[r * M], p, a.qmin, a.qmax);
-      if (err < best_err) {
-        best_err = err;
-        best = p;
-        best_j = static_cast<int32_t>(j);
-      }
-    }
-  }
+  const QtBlockQuant best = qt_block_column_choice(col, n, M, lo, hi, a.grid, a.grid_len, a.qmin,
+                                                   a.qmax, a.symmetric, a.signed_scales, &best_j);
   store_choice(a, k, m, best, best_j);
   if (a.out_values != nullptr) {
     uint8_t* out = a.out_values + r0 * M + m;
@@ -177,6 +164,16 @@ inline void errors(const Consts& c, const float* p, int64_t n, int64_t M, __m256
   *out_hi = hi;
 }
 
+// qt_block_signed_params on 8 columns.
+inline __m256 signed_scale(const Consts& c, __m256 lo, __m256 hi) {
+  const __m256 wider_high = _mm256_cmp_ps(hi, _mm256_xor_ps(lo, c.sign), _CMP_GT_OQ);
+  const __m256 s =
+      _mm256_blendv_ps(_mm256_div_ps(lo, c.qmin), _mm256_div_ps(hi, c.qmin), wider_high);
+  const __m256 m = _mm256_andnot_ps(c.sign, s);
+  const __m256 floored = _mm256_or_ps(_mm256_max_ps(m, c.min_scale), _mm256_and_ps(s, c.sign));
+  return _mm256_blendv_ps(c.one, floored, _mm256_cmp_ps(m, c.zero, _CMP_GT_OQ));
+}
+
 // Two 4 x 64-bit masks -> one 8 x 32-bit mask, lane order kept.
 inline __m256 narrow_mask(__m256d lo, __m256d hi) {
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
@@ -216,7 +213,7 @@ inline bool strip(const BlockSearch& a, const Consts& c, int64_t k, int64_t m) {
   __m256 best_s, best_z;
   params(c, Symmetric, lo, hi, a.grid[0], &best_s, &best_z);
   __m256 best_j = _mm256_setzero_ps();  // int32 bits
-  if (a.grid_len > 1) {
+  if (a.grid_len > 1 || (Symmetric && a.signed_scales)) {
     __m256d best_lo, best_hi;
     errors<Symmetric>(c, p, n, M, best_s, best_z, &best_lo, &best_hi);
     for (int64_t j = 1; j < a.grid_len; ++j) {
@@ -232,6 +229,17 @@ inline bool strip(const BlockSearch& a, const Consts& c, int64_t k, int64_t m) {
       best_s = _mm256_blendv_ps(best_s, s, better);
       best_z = _mm256_blendv_ps(best_z, z, better);
       const __m256 jv = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(j)));
+      best_j = _mm256_blendv_ps(best_j, jv, better);
+    }
+    if (Symmetric && a.signed_scales) {
+      const __m256 s = signed_scale(c, lo, hi);
+      __m256d e_lo, e_hi;
+      errors<true>(c, p, n, M, s, c.zero, &e_lo, &e_hi);
+      const __m256 better = narrow_mask(_mm256_cmp_pd(e_lo, best_lo, _CMP_LT_OQ),
+                                        _mm256_cmp_pd(e_hi, best_hi, _CMP_LT_OQ));
+      best_s = _mm256_blendv_ps(best_s, s, better);
+      const __m256 jv =
+          _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(a.grid_len)));
       best_j = _mm256_blendv_ps(best_j, jv, better);
     }
   }
@@ -310,6 +318,18 @@ inline void params(const Consts& c, bool symmetric, __m512 lo, __m512 hi, float 
   }
 }
 
+// qt_block_signed_params on 16 columns.
+inline __m512 signed_scale(const Consts& c, __m512 lo, __m512 hi) {
+  const __mmask16 wider_high = _mm512_cmp_ps_mask(hi, neg(lo, c.sign), _CMP_GT_OQ);
+  const __m512 s =
+      _mm512_mask_blend_ps(wider_high, _mm512_div_ps(lo, c.qmin), _mm512_div_ps(hi, c.qmin));
+  const __m512i bits = _mm512_castps_si512(s), sign = _mm512_castps_si512(c.sign);
+  const __m512 m = _mm512_castsi512_ps(_mm512_andnot_si512(sign, bits));
+  const __m512 floored = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(_mm512_max_ps(m, c.min_scale)), _mm512_and_si512(bits, sign)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, c.zero, _CMP_GT_OQ), c.one, floored);
+}
+
 template <bool Symmetric>
 inline __attribute__((always_inline)) __m512 level(const Consts& c, __m512 v, __m512 s,
                                                    __m512 z) {
@@ -366,7 +386,7 @@ inline bool strip(const BlockSearch& a, const Consts& c, int64_t k, int64_t m) {
   __m512 best_s, best_z;
   params(c, Symmetric, lo, hi, a.grid[0], &best_s, &best_z);
   __m512i best_j = _mm512_setzero_si512();
-  if (a.grid_len > 1) {
+  if (a.grid_len > 1 || (Symmetric && a.signed_scales)) {
     __m512d best_lo, best_hi;
     errors<Symmetric>(c, p, n, M, best_s, best_z, &best_lo, &best_hi);
     for (int64_t j = 1; j < a.grid_len; ++j) {
@@ -382,6 +402,17 @@ inline bool strip(const BlockSearch& a, const Consts& c, int64_t k, int64_t m) {
       best_s = _mm512_mask_blend_ps(better, best_s, s);
       best_z = _mm512_mask_blend_ps(better, best_z, z);
       best_j = _mm512_mask_blend_epi32(better, best_j, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    }
+    if (Symmetric && a.signed_scales) {
+      const __m512 s = signed_scale(c, lo, hi);
+      __m512d e_lo, e_hi;
+      errors<true>(c, p, n, M, s, c.zero, &e_lo, &e_hi);
+      const __mmask8 b_lo = _mm512_cmp_pd_mask(e_lo, best_lo, _CMP_LT_OQ);
+      const __mmask8 b_hi = _mm512_cmp_pd_mask(e_hi, best_hi, _CMP_LT_OQ);
+      const __mmask16 better = static_cast<__mmask16>(b_lo | (static_cast<unsigned>(b_hi) << 8));
+      best_s = _mm512_mask_blend_ps(better, best_s, s);
+      best_j = _mm512_mask_blend_epi32(better, best_j,
+                                       _mm512_set1_epi32(static_cast<int32_t>(a.grid_len)));
     }
   }
   alignas(64) float sv[kLanes], zv[kLanes];

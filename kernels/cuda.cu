@@ -1051,8 +1051,9 @@ __global__ void fill_int64_kernel(int64_t* out, int64_t value) { *out = value; }
 // Adjacent threads read adjacent columns of a row: coalesced.
 __global__ void block_mse_kernel(const float* x, int64_t rows, int64_t columns, int64_t block_len,
                                  int64_t num_blocks, float qmin, float qmax, int symmetric,
-                                 const float* grid, int64_t grid_len, float* out_scale,
-                                 uint8_t* out_zero, int32_t* out_best, uint8_t* out_values) {
+                                 int signed_scales, const float* grid, int64_t grid_len,
+                                 float* out_scale, uint8_t* out_zero, int32_t* out_best,
+                                 uint8_t* out_values) {
   const bool sym = symmetric != 0;
   const int64_t total = num_blocks * columns;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -1063,22 +1064,9 @@ __global__ void block_mse_kernel(const float* x, int64_t rows, int64_t columns, 
     const float* col = x + r0 * columns + m;
     float lo = 0.0f, hi = 0.0f;
     for (int64_t r = 0; r < n; ++r) qt_block_range_step(col[r * columns], lo, hi);
-    QtBlockQuant best = qt_block_quant_params(lo, hi, grid[0], qmin, qmax, sym);
     int32_t best_j = 0;
-    if (grid_len > 1) {
-      double best_err = 0.0;
-      for (int64_t r = 0; r < n; ++r) best_err += qt_block_sq_error(col[r * columns], best, qmin, qmax);
-      for (int64_t j = 1; j < grid_len; ++j) {
-        const QtBlockQuant p = qt_block_quant_params(lo, hi, grid[j], qmin, qmax, sym);
-        double err = 0.0;
-        for (int64_t r = 0; r < n; ++r) err += qt_block_sq_error(col[r * columns], p, qmin, qmax);
-        if (err < best_err) {
-          best_err = err;
-          best = p;
-          best_j = (int32_t)j;
-        }
-      }
-    }
+    const QtBlockQuant best = qt_block_column_choice(col, n, columns, lo, hi, grid, grid_len, qmin,
+                                                     qmax, sym, signed_scales != 0, &best_j);
     out_scale[t] = best.scale;
     if (!sym && out_zero != nullptr) out_zero[t] = (uint8_t)(int32_t)best.zero;
     if (out_best != nullptr) out_best[t] = best_j;
@@ -1370,15 +1358,18 @@ int qt_cuda_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
 }
 
 int qt_cuda_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
-                             int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
-                             int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
-                             int32_t* out_best, uint8_t* out_values, void* stream) {
+                             int32_t qmin, int32_t qmax, int32_t symmetric, int32_t signed_scales,
+                             const float* grid, int64_t grid_len, float* out_scale,
+                             uint8_t* out_zero_point, int32_t* out_best, uint8_t* out_values,
+                             void* stream) {
   if (rows < 1 || columns < 1) return QT_ERR_EMPTY;
   if (block_len < 1 || grid_len < 1 || grid_len > 0x7fffffffLL || out_scale == nullptr) {
     return QT_ERR_BAD_ARG;
   }
   if (!qt_block_qrange_ok(qmin, qmax, symmetric != 0)) return QT_ERR_BAD_ARG;
-  if (symmetric == 0 && out_zero_point == nullptr) return QT_ERR_BAD_ARG;
+  if (symmetric == 0 && (out_zero_point == nullptr || signed_scales != 0)) {
+    return QT_ERR_BAD_ARG;
+  }
   cudaStream_t s = as_stream(stream);
   int sms = 0;
   int status = sm_count(&sms);
@@ -1387,8 +1378,8 @@ int qt_cuda_block_mse_search(const float* x, int64_t rows, int64_t columns, int6
   const int64_t want = (num_blocks * columns + kThreads - 1) / kThreads;
   const int blocks = (int)(want < (int64_t)sms * 32 ? want : (int64_t)sms * 32);
   block_mse_kernel<<<blocks, kThreads, 0, s>>>(
-      x, rows, columns, block_len, num_blocks, (float)qmin, (float)qmax, symmetric, grid,
-      grid_len, out_scale, out_zero_point, out_best, out_values);
+      x, rows, columns, block_len, num_blocks, (float)qmin, (float)qmax, symmetric, signed_scales,
+      grid, grid_len, out_scale, out_zero_point, out_best, out_values);
   QT_CUDA_TRY(cudaGetLastError());
   return QT_OK;
 }

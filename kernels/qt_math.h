@@ -370,4 +370,59 @@ QT_HD inline double qt_block_sq_error(float v, QtBlockQuant p, float qmin, float
   return qt_dmul((double)d, (double)d);
 }
 
+// The signed-scale grid of a symmetric block (qtool/write/int4.py _signed_scales): the value of
+// largest magnitude lands on qmin, so the scale is negative when that value is positive and all
+// of qmin's side serves the wider half, as ONNX Runtime's round-to-nearest INT4 quantizer does:
+//   s = hi > -lo ? hi / qmin : lo / qmin;   s = |s| > 0 ? copysign(max(|s|, 1e-8), s) : 1
+QT_HD inline QtBlockQuant qt_block_signed_params(float lo, float hi, float qmin) {
+  const float s = hi > -lo ? qt_fdiv(hi, qmin) : qt_fdiv(lo, qmin);
+  const float m = s < 0.0f ? -s : s;
+  const float floored = m > QT_BLOCK_MIN_SCALE ? m : QT_BLOCK_MIN_SCALE;
+  QtBlockQuant p;
+  p.scale = m > 0.0f ? (s < 0.0f ? -floored : floored) : 1.0f;
+  p.zero = 0.0f;
+  return p;
+}
+
+QT_HD inline double qt_block_column_error(const float* col, int64_t n, int64_t stride,
+                                          QtBlockQuant p, float qmin, float qmax) {
+  double err = 0.0;
+  for (int64_t r = 0; r < n; ++r) err += qt_block_sq_error(col[r * stride], p, qmin, qmax);
+  return err;
+}
+
+// One block column's choice: n values at `stride`, range [lo, hi]. The grid factor of least
+// error (grid[0] on ties; grid_len == 1 skips the errors), then, when `signed_scales` (symmetric
+// only), the signed-scale grid where its error is strictly smaller; *out_j is the grid index
+// chosen, grid_len for the signed grid. The CPU reference and the CUDA kernel both run this.
+QT_HD inline QtBlockQuant qt_block_column_choice(const float* col, int64_t n, int64_t stride,
+                                                 float lo, float hi, const float* grid,
+                                                 int64_t grid_len, float qmin, float qmax,
+                                                 bool symmetric, bool signed_scales,
+                                                 int32_t* out_j) {
+  QtBlockQuant best = qt_block_quant_params(lo, hi, grid[0], qmin, qmax, symmetric);
+  int32_t best_j = 0;
+  if (grid_len > 1 || signed_scales) {
+    double best_err = qt_block_column_error(col, n, stride, best, qmin, qmax);
+    for (int64_t j = 1; j < grid_len; ++j) {
+      const QtBlockQuant p = qt_block_quant_params(lo, hi, grid[j], qmin, qmax, symmetric);
+      const double err = qt_block_column_error(col, n, stride, p, qmin, qmax);
+      if (err < best_err) {
+        best_err = err;
+        best = p;
+        best_j = (int32_t)j;
+      }
+    }
+    if (signed_scales) {
+      const QtBlockQuant p = qt_block_signed_params(lo, hi, qmin);
+      if (qt_block_column_error(col, n, stride, p, qmin, qmax) < best_err) {
+        best = p;
+        best_j = (int32_t)grid_len;
+      }
+    }
+  }
+  *out_j = best_j;
+  return best;
+}
+
 #endif  // QTOOL_QT_MATH_H

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define QT_ABI_VERSION 4
+#define QT_ABI_VERSION 5
 
 #define QT_OK 0
 #define QT_ERR_EMPTY 1       /* zero elements / zero channels */
@@ -84,7 +84,9 @@ int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
    error(j) = sum over the block's rows, in row order, in double, of the squared float32
    ((clip(rint(x / s) + z, qmin, qmax) - z) * s - x); all float32 steps as numpy rounds them
    (rint half to even). The least error wins, the lowest j on ties; grid_len == 1 skips the
-   errors. Outputs: out_scale float32 [num_blocks, columns]; out_zero_point uint8 [num_blocks,
+   errors. signed_scales (symmetric only, else QT_ERR_BAD_ARG): then the signed-scale grid
+   s = (hi > -lo ? hi : lo) / qmin (its sign kept, |s| floored at 1e-8, 1 when 0) replaces the
+   winner where its error is strictly smaller, and out_best holds grid_len there. Outputs: out_scale float32 [num_blocks, columns]; out_zero_point uint8 [num_blocks,
    columns] (asymmetric only, may be NULL when symmetric); out_best int32 [num_blocks, columns]
    the chosen j (may be NULL); out_values [rows, columns] the levels clip(rint(x / s) + z) as
    bytes, int8 two's complement when symmetric, uint8 otherwise (may be NULL).
@@ -92,9 +94,9 @@ int qt_cpu_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
    QT_ERR_NONFINITE when x holds NaN or Inf (outputs then unspecified). Identical results on every
    instruction set, thread count and on the CUDA backend. */
 int qt_cpu_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
-                            int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
-                            int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
-                            int32_t* out_best, uint8_t* out_values);
+                            int32_t qmin, int32_t qmax, int32_t symmetric, int32_t signed_scales,
+                            const float* grid, int64_t grid_len, float* out_scale,
+                            uint8_t* out_zero_point, int32_t* out_best, uint8_t* out_values);
 
 /* ---- libqtool_cuda.so ---- */
 int qt_cuda_abi_version(void);
@@ -140,9 +142,10 @@ int qt_cuda_mse_threshold(const int64_t* hist, int64_t nbins, int64_t num_steps,
    is finite and the grid factors lie in (0, 1] on the host (non-finite x gives unspecified
    outputs, never out-of-bounds accesses). One thread per block column, rows in order. */
 int qt_cuda_block_mse_search(const float* x, int64_t rows, int64_t columns, int64_t block_len,
-                             int32_t qmin, int32_t qmax, int32_t symmetric, const float* grid,
-                             int64_t grid_len, float* out_scale, uint8_t* out_zero_point,
-                             int32_t* out_best, uint8_t* out_values, void* stream);
+                             int32_t qmin, int32_t qmax, int32_t symmetric, int32_t signed_scales,
+                             const float* grid, int64_t grid_len, float* out_scale,
+                             uint8_t* out_zero_point, int32_t* out_best, uint8_t* out_values,
+                             void* stream);
 
 #ifdef __cplusplus
 }

@@ -35,7 +35,7 @@ CPU_LIB = LIB_DIR / "libqtool_cpu.so"
 CUDA_LIB = LIB_DIR / "libqtool_cuda.so"
 BUILD_INFO = LIB_DIR / "build_info.json"
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _OK = 0
 _STATUS = {
     1: "empty input",
@@ -76,7 +76,7 @@ _CPU_SIGNATURES: dict[str, list[Any]] = {
     "qt_cpu_mse_errors": [_i64p, _i64, _i64, _f64p],
     "qt_cpu_mse_threshold": [_i64p, _i64, _i64, _f64p],
     "qt_cpu_block_mse_search": [
-        *[_f32p, _i64, _i64, _i64, _i32, _i32, _i32, _f32p, _i64],
+        *[_f32p, _i64, _i64, _i64, _i32, _i32, _i32, _i32, _f32p, _i64],
         *[_f32p, _u8p, _i32p, _u8p],
     ],
 }
@@ -98,7 +98,7 @@ _CUDA_SIGNATURES: dict[str, list[Any]] = {
     "qt_cuda_mse_errors": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_mse_threshold": [_vp, _i64, _i64, _vp, _vp],
     "qt_cuda_block_mse_search": [
-        *[_vp, _i64, _i64, _i64, _i32, _i32, _i32, _vp, _i64],
+        *[_vp, _i64, _i64, _i64, _i32, _i32, _i32, _i32, _vp, _i64],
         *[_vp, _vp, _vp, _vp, _vp],
     ],
     "qt_cuda_variant_count": [],
@@ -656,7 +656,9 @@ class BlockSearch(NamedTuple):
 
     scale: np.ndarray  # float32 [num_blocks, columns]
     zero_point: np.ndarray | None  # uint8 [num_blocks, columns]; None when symmetric
-    best_index: np.ndarray  # int32 [num_blocks, columns]: the grid factor each block chose
+    # int32 [num_blocks, columns]: the grid factor each block chose; len(grid) where it took the
+    # signed-scale grid (signed_scales)
+    best_index: np.ndarray
     values: np.ndarray  # [rows, columns] levels: int8 when symmetric, else uint8
 
 
@@ -675,6 +677,7 @@ def block_mse_search(
     qmin: int,
     qmax: int,
     symmetric: bool,
+    signed_scales: bool = False,
     device: str = "cpu",
 ) -> BlockSearch:
     """Per block of `block_len` consecutive rows of each column of x [rows, columns], the grid
@@ -685,6 +688,10 @@ def block_mse_search(
     and levels bit for bit, on every instruction set, thread count and on CUDA. A short last block
     (block_len not dividing rows) behaves as if padded with zero rows. grid[0] wins ties, so put
     1.0 (the plain min/max range) first. A grid of one factor skips the error search.
+
+    `signed_scales` (symmetric only): last, each block takes the signed-scale grid (its largest
+    magnitude on qmin, the scale negative when that value is positive) where that reconstructs
+    strictly better: qtool/write/int4.py `_prefer_signed`, bit for bit, in the same pass.
     """
     what = "block_mse_search"
     arr = np.ascontiguousarray(x, dtype=np.float32)
@@ -698,13 +705,15 @@ def block_mse_search(
     if not _qrange_ok(qmin, qmax, symmetric):
         kind = "symmetric" if symmetric else "asymmetric"
         raise KernelError(f"{what}: unsupported {kind} integer range [{qmin}, {qmax}]")
+    if signed_scales and not symmetric:
+        raise KernelError(f"{what}: signed_scales needs a symmetric grid")
     rows, columns = arr.shape
     num_blocks = -(-rows // length)
     scale = np.empty((num_blocks, columns), np.float32)
     zero = None if symmetric else np.empty((num_blocks, columns), np.uint8)
     best = np.empty((num_blocks, columns), np.int32)
     values = np.empty((rows, columns), np.uint8)
-    args = (rows, columns, length, qmin, qmax, int(symmetric))
+    args = (rows, columns, length, qmin, qmax, int(symmetric), int(signed_scales))
     if _check_device(device) == "cpu":
         status = _load_cpu().qt_cpu_block_mse_search(
             _ptr(arr, ctypes.c_float),

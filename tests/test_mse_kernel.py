@@ -109,6 +109,59 @@ def test_results_do_not_depend_on_the_thread_count(isa, threads, rows, columns, 
             np.testing.assert_array_equal(a, b)
 
 
+def _reference_signed(x: np.ndarray, block_len: int, bits: int, grid) -> tuple:
+    """The numpy specification of `signed_scales`: the grid search, then `_prefer_signed`; the
+    blocks whose scale changed took the signed grid (its error strictly smaller, so never the
+    same scale), index len(grid)."""
+    values, scale, zero, best = _reference(x, block_len, bits, True, grid)
+    rows, columns = x.shape
+    n_blocks = -(-rows // block_len)
+    padded = np.zeros((n_blocks * block_len, columns), np.float32)
+    padded[:rows] = x
+    blocks = padded.reshape(n_blocks, block_len, columns)
+    padded_values = np.zeros((n_blocks * block_len, columns), values.dtype)
+    padded_values[:rows] = values
+    signed_values, signed_scale = int4._prefer_signed(
+        blocks, padded_values.reshape(blocks.shape), scale, bits
+    )
+    took = signed_scale.view(np.uint32) != scale.view(np.uint32)
+    best = np.where(took, np.int32(len(grid)), best)
+    return signed_values.reshape(-1, columns)[:rows], signed_scale, zero, best
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("grid", [(1.0,), MSE_GRID], ids=["minmax", "mse"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_isa_prefers_the_signed_grid_exactly_where_numpy_does(isa, bits, grid, shape):
+    rows, columns, block = shape
+    x = _weights(rows, columns, seed=rows + columns + bits)
+    ref = _reference_signed(x, block, bits, grid)
+    qmin, qmax = int4._qrange(bits, True)
+    found = k.block_mse_search(
+        x,
+        block,
+        np.asarray(grid, np.float32),
+        qmin=qmin,
+        qmax=qmax,
+        symmetric=True,
+        signed_scales=True,
+    )
+    _assert_same(found, ref)
+    took = ref[3] == len(grid)
+    if block > 1 and x.size > 1000:  # both grids win somewhere, and the signed ones are negative
+        assert 0 < np.count_nonzero(took) < took.size
+        assert np.any(ref[1][took] < 0)
+
+
+def test_signed_grid_of_quantize_blockwise_is_the_numpy_reference() -> None:
+    """The kernel path of int4 (chunked columns, padding) writes what numpy's path wrote."""
+    w = _weights(200, 300, seed=9)
+    got = int4.quantize_blockwise(w, block_size=32, signed_scales=True)
+    values, scale, _, _ = _reference_signed(w, 32, 4, (1.0,))
+    np.testing.assert_array_equal(got.values, values)
+    np.testing.assert_array_equal(got.scale.view(np.uint32), scale.view(np.uint32))
+
+
 _DIGEST_CODE = """
 import hashlib, numpy as np, qtool.kernels as k
 x = np.random.default_rng(3).standard_t(3, size=(256, 96)).astype(np.float32)
@@ -118,6 +171,9 @@ for sym, (lo, hi) in ((True, (-8, 7)), (False, (0, 15))):
     for arr in k.block_mse_search(x, 32, grid, qmin=lo, qmax=hi, symmetric=sym):
         if arr is not None:  # no zero point when symmetric
             h.update(np.ascontiguousarray(arr).tobytes())
+signed = k.block_mse_search(x, 32, grid[:1], qmin=-8, qmax=7, symmetric=True, signed_scales=True)
+for arr in (signed.scale, signed.best_index, signed.values):
+    h.update(np.ascontiguousarray(arr).tobytes())
 print(k.cpu_isa(), k.cpu_threads(), h.hexdigest())
 """
 
@@ -251,6 +307,7 @@ ASYM = {"qmin": 0, "qmax": 15, "symmetric": False}
         (X, 2, [1.0], {**ASYM, "symmetric": True}, "symmetric integer range"),
         (X, 2, [1.0], {**SYM, "symmetric": False}, "asymmetric integer range"),
         (X, 2, [1.0], {**ASYM, "qmax": 256}, "range"),
+        (X, 2, [1.0], {**ASYM, "signed_scales": True}, "signed_scales needs a symmetric"),
         (X * np.inf, 2, [1.0], ASYM, "NaN or Inf"),
         (X, 2, [1.0], {**SYM, "device": "tpu"}, "tpu"),
     ],

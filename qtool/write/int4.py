@@ -207,17 +207,11 @@ def _quantize_blocks(
 
     `signed_scales` (symmetric only): afterwards each block takes the signed-scale grid of
     `_signed_scales` where that reconstructs better, so the result is never worse than either.
+    The kernel makes that choice in the same pass (`_prefer_signed` is its numpy reference, bit
+    for bit): in numpy it was a third of a 2 GB decoder's INT4 quantize time.
     """
-    values, scale, zero = _search_blocks(blocks, bits, symmetric, grid, device)
-    if signed_scales and symmetric:
-        values, scale = _prefer_signed(blocks, values, scale, bits)
-    return values, scale, zero
-
-
-def _search_blocks(
-    blocks: np.ndarray, bits: int, symmetric: bool, grid: tuple[float, ...], device: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    if len(grid) == 1:
+    signed = signed_scales and symmetric
+    if len(grid) == 1 and not signed:
         low, high = _block_range(blocks)
         scale, zero = _scales_for(low, high, bits, symmetric)
         values = quantize_values(
@@ -233,6 +227,7 @@ def _search_blocks(
         qmin=qmin,
         qmax=qmax,
         symmetric=symmetric,
+        signed_scales=signed,
         device=device,
     )
     return found.values.reshape(blocks.shape), found.scale, found.zero_point

@@ -45,6 +45,20 @@ def test_block_mse_search_matches_cpu(bits, symmetric, rows, columns, block) -> 
     np.testing.assert_array_equal(gpu.values, cpu.values)
 
 
+@pytest.mark.parametrize("grid", [GRID[:1], GRID], ids=["minmax", "mse"])
+@pytest.mark.parametrize("rows,columns,block", [(1536, 384, 32), (100, 77, 32), (7, 3, 1)])
+def test_signed_scales_match_cpu(grid, rows, columns, block) -> None:
+    x = _weights(rows, columns, seed=rows * columns)
+    kw = {"qmin": -8, "qmax": 7, "symmetric": True, "signed_scales": True}
+    gpu = k.block_mse_search(x, block, grid, device="cuda", **kw)
+    cpu = k.block_mse_search(x, block, grid, device="cpu", **kw)
+    np.testing.assert_array_equal(gpu.best_index, cpu.best_index)
+    np.testing.assert_array_equal(gpu.scale.view(np.uint32), cpu.scale.view(np.uint32))
+    np.testing.assert_array_equal(gpu.values, cpu.values)
+    if rows > 100:
+        assert np.any(cpu.best_index == grid.size)  # the signed grid won somewhere
+
+
 def test_quantize_blockwise_on_cuda_writes_the_cpu_weights() -> None:
     w = _weights(768, 256, seed=1)
     for symmetric in (True, False):
