@@ -4,6 +4,8 @@ One run, the same FP32 graph (the `model.fp32.onnx` qtool prepares from the mode
 wheel, examples/minilm) and the same held-out sentences for every row:
 
 * `qtool int8-dynamic`: every MatMul with a weight quantized at run time (the preset);
+* `qtool int8-dynamic, per-token ranges`: the same with `dynamic_ranges: per-token` (one range
+  per token, unfused MatMulInteger);
 * `qtool int8-dynamic-transformer`: Q and K projections (and the rest) dynamic, V static;
 * `qtool int8-transformer`: the static INT8 preset (SmoothQuant, int8 embedding tables);
 * `ORT quantize_dynamic`: ORT's defaults, and with `per_channel=True`.
@@ -116,14 +118,22 @@ def qtool_rows(work: Path) -> tuple[Path, dict[str, tuple[Path, float]]]:
     result = quantize(load_recipe(_recipe(work, "dynamic", first)), progress=False)
     rows["qtool int8-dynamic"] = (result.model_path, time.perf_counter() - started)
     fp32 = work / "qtool-dynamic" / "model.fp32.onnx"
-    for label, preset, folder in (
-        ("qtool int8-dynamic-transformer (Q/K dyn, V static)", "int8-dynamic-transformer", "qk"),
-        ("qtool int8-transformer (static, SmoothQuant)", "int8-transformer", "static"),
+    per_token = {"quantization": {"dynamic_ranges": "per-token"}}
+    for label, preset, folder, extra in (
+        ("qtool int8-dynamic, per-token ranges", "int8-dynamic", "token", per_token),
+        (
+            "qtool int8-dynamic-transformer (Q/K dyn, V static)",
+            "int8-dynamic-transformer",
+            "qk",
+            {},
+        ),
+        ("qtool int8-transformer (static, SmoothQuant)", "int8-transformer", "static", {}),
     ):
         body = {
             "base": preset,
             "model": {"onnx": str(fp32)},
             **common,
+            **extra,
             "output": {"dir": str(work / f"qtool-{folder}")},
         }
         started = time.perf_counter()

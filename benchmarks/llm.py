@@ -16,6 +16,10 @@ measured like every peer (wall and CPU seconds, peak RSS):
   SmoothQuant, alpha searched on the tuning windows, kept only where it beats plain min-max there);
 * `qtool-w8a8-sq-down`: the same with the gated MLPs' down projections (role `mlp-down`) weight
   only: their inputs, where a decoder's activation outliers are largest, stay float;
+* `qtool-w8a8-dyn`: the `int8-dynamic` preset on MatMul/Gather: inputs quantized at run time,
+  one range per tensor (ORT's DynamicQuantizeLinear);
+* `qtool-w8a8-dyn-down`: the same with the `mlp-down` inputs float;
+* `qtool-w8a8-token`: the `w8a8-llm` preset: inputs quantized at run time, one range per token;
 * `qtool-int4-rtn`: 4-bit blocks of 32 (asymmetric), round to nearest, int8 embedding table;
 * `qtool-int4-awq`: the same with AWQ (activation-aware input-channel scales);
 * `qtool-int4-gptq`: the same with GPTQ (activation order), no AWQ;
@@ -88,6 +92,28 @@ QTOOL_ROWS: dict[str, tuple[str, dict, bool]] = {
         },
         False,
     ),
+    "qtool-w8a8-dyn": (
+        "qtool W8A8, activations dynamic (int8-dynamic)",
+        {
+            "base": "int8-dynamic",
+            "calibration": {"batch_size": 1},
+            "quantization": {"op_types": ["MatMul", "Gather"]},
+        },
+        False,
+    ),
+    "qtool-w8a8-dyn-down": (
+        "qtool W8A8, activations dynamic, mlp-down inputs float",
+        {
+            "base": "int8-dynamic",
+            "calibration": {"batch_size": 1},
+            "quantization": {
+                "op_types": ["MatMul", "Gather"],
+                "overrides": [{"roles": ["mlp-down"], "activations": "float"}],
+            },
+        },
+        False,
+    ),
+    "qtool-w8a8-token": ("qtool W8A8, dynamic per token (w8a8-llm)", {"base": "w8a8-llm"}, False),
     "qtool-int4-rtn": (
         "qtool INT4 RTN",
         {

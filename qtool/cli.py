@@ -330,8 +330,8 @@ def quantize(
     if dynamic:
         kinds = ", ".join(f"{k} {v}" for k, v in dynamic["runs_as"].items())
         console.print(
-            f"dynamic int8 (inputs quantized at run time, no calibrated range): "
-            f"{len(dynamic['nodes'])} nodes, ORT runs them as {kinds}",
+            f"dynamic int8 (inputs quantized at run time, one range {dynamic['ranges']}, no "
+            f"calibrated range): {len(dynamic['nodes'])} nodes, ORT runs them as {kinds}",
             highlight=False,
         )
     ort_words = "" if result.report["target"] == "ort-cpu" else "ONNX Runtime CPU check: "

@@ -201,6 +201,7 @@ def dynamic_runtime(layout: Layout) -> dict | None:
     return {
         "nodes": [n.name for n in nodes],
         "tensors_quantized_at_run_time": list(layout.dynamic),
+        "ranges": layout.dynamic_ranges,
         "runs_as": dict(sorted(runs_as.items())),
         "fused": sum(1 for n in nodes if (n.runtime or {}).get("status") == "fused"),
     }

@@ -87,6 +87,20 @@ def _recipe(folder: Path, name: str, quantization: dict, out: str | None = None)
     return path
 
 
+def _preset_recipe(folder: Path, preset: str, out: str) -> Path:
+    """A recipe that takes everything but the model and its data from `preset`."""
+    recipe = {
+        "base": preset,
+        "model": {"onnx": "model.onnx"},
+        "inputs": {"x": [1, TOKENS, DIM]},
+        "calibration": {"data": {"npz": "cal.npz"}, "batch_size": 4},
+        "output": {"dir": out},
+    }
+    path = folder / f"{preset}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 def _ort_ops(model: Path, tmp: Path) -> collections.Counter:
     """Op counts of the graph ONNX Runtime's CPU provider optimizes (qtool's own session
     settings are not used: this is the independent check of the report's runtime truth)."""
@@ -253,18 +267,7 @@ def test_q_k_dynamic_v_static_split_on_attention(folder, cli, tmp_path):
     inputs = np.load(folder / "eval.npz")["x"]
     assert _cosine(out / "model.fp32.onnx", out / "model.int8.onnx", inputs, True) > 0.999
     # the shipped preset says the same
-    preset = folder / "preset.yaml"
-    preset.write_text(
-        yaml.safe_dump(
-            {
-                "base": "int8-dynamic-transformer",
-                "model": {"onnx": "model.onnx"},
-                "inputs": {"x": [1, TOKENS, DIM]},
-                "calibration": {"data": {"npz": "cal.npz"}, "batch_size": 4},
-                "output": {"dir": "out-preset"},
-            }
-        )
-    )
+    preset = _preset_recipe(folder, "int8-dynamic-transformer", "out-preset")
     result = cli("quantize", preset, "--no-progress")
     assert result.exit_code == 0, result.output
     preset_report = json.loads((folder / "out-preset" / "report.json").read_text())
@@ -299,15 +302,17 @@ def _gemm_model(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def test_dynamic_gemm_with_transposed_weight(tmp_path, cli):
+@pytest.mark.parametrize("ranges", ["per-tensor", "per-token"])
+def test_dynamic_gemm_with_transposed_weight(tmp_path, cli, ranges):
     _gemm_model(tmp_path / "model.onnx")
     rng = np.random.default_rng(1)
     np.savez(tmp_path / "cal.npz", x=rng.normal(size=(16, 16)).astype(np.float32))
+    quantization = {"op_types": ["Gemm"], "activations": "dynamic", "dynamic_ranges": ranges}
     recipe = {
         "model": {"onnx": "model.onnx"},
         "inputs": {"x": [1, 16]},
         "calibration": {"data": {"npz": "cal.npz"}, "batch_size": 4},
-        "quantization": {"op_types": ["Gemm"], "activations": "dynamic"},
+        "quantization": quantization,
         "output": {"dir": "out"},
     }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -319,6 +324,8 @@ def test_dynamic_gemm_with_transposed_weight(tmp_path, cli):
     stored = {i.name: list(i.dims) for i in written.graph.initializer}
     assert stored["w1_quantized"] == [16, 24]  # transB weight stored [K, N]
     assert by_name["fc1_bias_Add"].input[1] == "b1"
+    if ranges == "per-token":  # the [N] column sums of the [K, N] weight as stored
+        assert stored["w1_column_sums"] == [24]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert {n["name"]: n["runtime"]["status"] for n in report["nodes"] if n.get("runtime")} == {
         "fc1": "fused",
@@ -541,3 +548,52 @@ def test_a_4bit_node_under_dynamic_activations_is_weight_only(folder, dynamic_ru
     assert layout.plan["/0/f2/MatMul"].activations == "dynamic"
     f1_input = next(n for n in prepared.graph.node if n.name == f1.name).input[0]
     assert f1_input not in layout.dynamic  # read by no dynamic node now
+
+
+def test_per_token_ranges_write_the_row_form_and_report_what_ort_runs(folder, cli, tmp_path):
+    """`dynamic_ranges: per-token`: no DynamicQuantizeLinear; one row quantization per distinct
+    input (shared by q/k/v as before); MatMulInteger, which ORT runs unfused (no fused kernel
+    takes per-row scales), and the report says so from ORT's own graph."""
+    quantization = {"activations": "dynamic", "dynamic_ranges": "per-token"}
+    recipe = _recipe(folder, "per-token", quantization)
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "one range per-token" in result.output
+    out = folder / "out-per-token"
+    model = onnx.load(str(out / "model.int8.onnx"))
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMulInteger"] == 12 and ops["DynamicQuantizeLinear"] == 0
+    assert ops["ReduceMin"] == ops["ReduceMax"] == 8
+    report = json.loads((out / "report.json").read_text())
+    assert report["dynamic"]["ranges"] == "per-token"
+    dynamic = [n for n in report["nodes"] if n.get("activations") == "dynamic"]
+    assert len(dynamic) == 12
+    assert {n["runtime"]["runs_as"] for n in dynamic} == {"MatMulInteger"}
+    ort_ops = _ort_ops(out / "model.int8.onnx", tmp_path)
+    assert ort_ops["MatMulInteger"] == 12 and ort_ops["DynamicQuantizeMatMul"] == 0
+    inputs = np.load(folder / "eval.npz")["x"]
+    for optimize in (True, False):
+        cosine = _cosine(out / "model.fp32.onnx", out / "model.int8.onnx", inputs, optimize)
+        assert cosine > 0.999, (optimize, cosine)
+    again = folder / "per-token-again"
+    assert cli("quantize", recipe, "-o", again, "--no-progress").exit_code == 0
+    assert (again / "model.int8.onnx").read_bytes() == (out / "model.int8.onnx").read_bytes()
+
+
+def test_per_token_ranges_without_a_dynamic_node_are_refused(folder, cli):
+    recipe = _recipe(folder, "per-token-static", {"dynamic_ranges": "per-token"})
+    result = cli("quantize", recipe, "--no-progress")
+    assert result.exit_code == 2
+    assert "quantization.dynamic_ranges" in result.output
+    assert "activations dynamic" in result.output
+
+
+def test_w8a8_llm_preset_is_per_token_dynamic(dynamic_run, folder):
+    """`base: w8a8-llm` plans every weighted MatMul dynamic with per-token ranges: the registry
+    entry it is written by is the per-token one, and no range is calibrated."""
+    spec = load_recipe(_preset_recipe(folder, "w8a8-llm", "out-w8a8-llm")).quantization
+    assert spec.activations == "dynamic" and spec.dynamic_ranges == "per-token"
+    prepared = onnx.load(str(dynamic_run / "model.fp32.onnx"))
+    layout = plan(prepared, spec, "minmax", "test", float_tensors(prepared))
+    assert layout.dynamic_ranges == "per-token" and len(layout.dynamic) == 8
+    assert plan_requests(layout).ranges == ()

@@ -44,6 +44,7 @@ from qtool.plan.ops.registry import (
     INT4_WEIGHT_ONLY,
     INT8,
     INT8_DYNAMIC,
+    INT8_DYNAMIC_TOKEN,
     INT8_WEIGHT_ONLY,
     PRECISIONS,
     Entry,
@@ -56,6 +57,9 @@ from qtool.plan.settings import QuantizationSpec
 from qtool.runtime.fusion import fusion_truth
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The two dynamic int8 forms: one range per tensor, one per token.
+DYNAMIC = {INT8_DYNAMIC, INT8_DYNAMIC_TOKEN}
 
 
 @pytest.fixture
@@ -95,8 +99,9 @@ def test_every_quantizable_op_type_has_entries_for_every_target() -> None:
         # are TensorRT's)
         shared = set(ORT_CPU.precisions) & set(TARGETS["tensorrt"].precisions)
         assert precisions["ort-cpu"] & shared == precisions["tensorrt"] & shared
-        # dynamic int8 is ORT's alone (DynamicQuantizeLinear + MatMulInteger)
-        assert precisions["ort-cpu"] - shared <= {INT8_DYNAMIC}, op_type
+        # dynamic int8 is ORT's alone (DynamicQuantizeLinear + MatMulInteger), in its
+        # per-tensor and per-token forms
+        assert precisions["ort-cpu"] - shared <= DYNAMIC, op_type
         assert precisions["ort-cpu"]
         assert precisions["ort-cpu"] <= set(ORT_CPU.precisions), op_type
         for (target, precision), entry in found.entries.items():
@@ -110,12 +115,11 @@ def test_the_registry_knows_what_the_layout_can_plan() -> None:
     at int8 only, embeddings weight-only only."""
     for op_type in ("Conv", "Gemm", "MatMul"):
         # dynamic int8: ORT's dynamic kernels take MatMul/Gemm (ConvInteger is not planned)
-        dynamic = {INT8_DYNAMIC} if op_type != "Conv" else set()
+        dynamic = DYNAMIC if op_type != "Conv" else set()
         assert (
-            set(rule(op_type).precisions("ort-cpu"))
-            == set(ORT_CPU.precisions) - {INT8_DYNAMIC} | dynamic
+            set(rule(op_type).precisions("ort-cpu")) == set(ORT_CPU.precisions) - DYNAMIC | dynamic
         )
-        assert set(rule(op_type).precisions("tensorrt")) == set(PRECISIONS) - {INT8_DYNAMIC}
+        assert set(rule(op_type).precisions("tensorrt")) == set(PRECISIONS) - DYNAMIC
     for op_type in ("Add", "Mul", "Concat", "GlobalAveragePool", "AveragePool"):
         # quantized at int8 only (no FP8 form: no FP8 kernel to feed); typed FP16/BF16 as any op
         assert set(rule(op_type).precisions("tensorrt")) == {INT8, FP16, BF16}

@@ -55,6 +55,7 @@ from qtool.plan.settings import (
     ACTIVATION_PRECISIONS,
     BLOCK_SIZES,
     DEFAULT_OP_TYPES,
+    DYNAMIC_RANGES,
     DYNAMIC_TARGETS,
     FLOAT_IO,
     FLOAT_TYPES,
@@ -656,6 +657,7 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         "precision",
         "float_type",
         "float_io",
+        "dynamic_ranges",
     }
     reader.mapping(raw, "quantization", keys)
     op_types = _read_op_types(
@@ -724,6 +726,9 @@ def _read_quantization(reader: _Reader, raw: Any) -> QuantizationSpec:
         precision=precision,
         float_type=float_type,
         float_io=float_io,
+        dynamic_ranges=reader.choice(
+            raw.get("dynamic_ranges", "per-tensor"), "quantization.dynamic_ranges", DYNAMIC_RANGES
+        ),
     )
     _check_target_precisions(reader, spec)
     _check_dynamic(reader, spec)
@@ -735,6 +740,12 @@ def _check_dynamic(reader: _Reader, spec: QuantizationSpec) -> None:
     another target, and where the same level asks for weights MatMulInteger cannot multiply."""
     levels = [("quantization", spec.activations, spec.precision, spec.weights)]
     levels += [(o.where, o.activations, o.precision, o.weights) for o in spec.overrides]
+    if spec.dynamic_ranges != "per-tensor" and all(level[1] != "dynamic" for level in levels):
+        raise reader.fail(
+            "quantization.dynamic_ranges",
+            f"{spec.dynamic_ranges} applies to activations dynamic, which neither "
+            "quantization.activations nor an override asks for",
+        )
     for where, activations, precision, weights in levels:
         if activations != "dynamic":
             continue

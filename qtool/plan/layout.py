@@ -64,6 +64,8 @@ class Layout:
     # Tensors quantized at run time (dynamic int8: one DynamicQuantizeLinear each, shared by the
     # nodes that read it); they have no range to calibrate, so stats_tensors leaves them out.
     dynamic: list[str] = field(default_factory=list)
+    # quantization.dynamic_ranges: one range per tensor or per token (row) for those tensors.
+    dynamic_ranges: str = "per-tensor"
 
     def stats_tensors(self) -> list[str]:
         slots = {slot.stats_tensor for slot in self.activations.values()}
@@ -90,14 +92,15 @@ def _pair_type(chosen: NodeSettings, rule: OpRule) -> str | None:
     return None
 
 
-def _key(precision: str, pairs: str | None) -> str:
-    """The registry key of a quantized node: its precision and its activations' pair type."""
-    return precision_key(precision, pairs or "float")
+def _key(spec: QuantizationSpec, precision: str, pairs: str | None) -> str:
+    """The registry key of a quantized node: its precision and its activations' pair type (a
+    dynamic node's form also by the recipe's dynamic_ranges)."""
+    return precision_key(precision, pairs or "float", spec.dynamic_ranges)
 
 
 def _entry(rule: OpRule, spec: QuantizationSpec, precision: str, pairs: str | None) -> Entry:
     """The registry entry the node is written by; RegistryError when the rule has none."""
-    return rule.entry(spec.target, _key(precision, pairs))
+    return rule.entry(spec.target, _key(spec, precision, pairs))
 
 
 def plan_layout(
@@ -202,6 +205,7 @@ def plan_layout(
         layout.activations[key] = ActivationSlot(tensor, source, _stats_root(tensor, graph), dtype)
 
     layout.dynamic = list(dynamic)
+    layout.dynamic_ranges = spec.dynamic_ranges
     layout.typed_tensors = _typed_tensors(layout.plan, graph, spec)
     _annotate_float_nodes(layout, graph, spec.target)
     _note_float_readers(layout, graph, tied.leaders)
@@ -347,9 +351,9 @@ def _no_form(rule: OpRule, spec: QuantizationSpec, chosen: NodeSettings) -> str 
     rule has, or the registry's lookup names what is missing."""
     dynamic = chosen.activations == "dynamic" and rule.activation_inputs
     if chosen.precision == "fp8":
-        key, what = _key("fp8", "fp8"), "fp8"
+        key, what = _key(spec, "fp8", "fp8"), "fp8"
     elif dynamic:
-        key, what = _key("int8", "dynamic"), "dynamic int8"
+        key, what = _key(spec, "int8", "dynamic"), "dynamic int8"
     else:
         return None
     if (spec.target, key) in rule.entries:

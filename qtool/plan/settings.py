@@ -38,6 +38,11 @@ ACTIVATION_PRECISIONS = ("int8", "dynamic", "float")
 # The targets that run dynamic int8 (DynamicQuantizeLinear + MatMulInteger): ONNX Runtime's.
 DYNAMIC_TARGETS = ("ort-cpu",)
 
+# quantization.dynamic_ranges: the range a dynamic node's input is quantized with at run time,
+# one per tensor (DynamicQuantizeLinear, ORT's fused form) or one per token (per row of the last
+# axis: an LLM's outlier tokens then cost only their own row; unfused MatMulInteger).
+DYNAMIC_RANGES = ("per-tensor", "per-token")
+
 # quantization.float_type: the type every node that is not quantized computes in, and the
 # node precision that stands for it.
 FLOAT_TYPES = {"fp32": "float", "fp16": "fp16", "bf16": "bf16"}
@@ -147,6 +152,8 @@ class QuantizationSpec:
     precision: str | None = None
     float_type: str = "fp32"
     float_io: str = "keep"
+    # DYNAMIC_RANGES: how every dynamic node's input is ranged at run time.
+    dynamic_ranges: str = "per-tensor"
 
     @property
     def float_precision(self) -> str:

@@ -15,7 +15,10 @@ This module splits a model's bytes exactly that way, so the parts add up to the 
   gone from the quantized one), and a Cast the typing pass put beside it at a float-type
   boundary;
 - a node planned dynamic int8 owns the DynamicQuantizeLinear of its input (shared by the
-  nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger;
+  nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger; with
+  per-token ranges, every node the writer inserted between the float input and the output (the
+  row quantization, shared likewise, and the zero-point correction): the inserted nodes after
+  its MatMulInteger up to the float output, and the inserted nodes upstream of those;
 - a Shape and Concat the writer inserted to compute the shape a Reshape after a planned node
   restores (the tied table's GatherBlockQuantized) are that node's;
 - an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
@@ -84,6 +87,58 @@ class Attribution:
         return self.header + self.rest + sum(self.nodes.values()) + sum(self.slots.values())
 
 
+# Inserted nodes a walk from a dynamic node never enters: static Q/DQ pairs have their own owners
+# (the activation slot, the weight's readers).
+_PAIR_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+
+def _dynamic_parts(
+    nodes: list[onnx.NodeProto],
+    float_nodes: Mapping[str, onnx.NodeProto],
+    float_producer: Mapping[str, str],
+    planned: set[str],
+) -> dict[int, set[str]]:
+    """The writer's nodes around each planned MatMulInteger (dynamic int8), by index -> the
+    planned nodes they serve. Forward from the MatMulInteger through inserted nodes until a
+    tensor of the float model is produced (its output): the dequantization and, per token, the
+    zero-point correction. Then backward from all of those through inserted nodes to the float
+    input: the input's quantization (DynamicQuantizeLinear, or the per-token row
+    quantization), shared by every dynamic node that reads it."""
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    readers: dict[str, list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                readers[name].append(i)
+
+    def inserted(i: int) -> bool:
+        return nodes[i].name not in float_nodes and nodes[i].op_type not in _PAIR_OPS
+
+    parts: dict[int, set[str]] = defaultdict(set)
+    for start, node in enumerate(nodes):
+        if node.op_type != "MatMulInteger" or node.name not in planned:
+            continue
+        mine, todo = {start}, [start]
+        while todo:  # forward: up to the tensors the float model has
+            for out in nodes[todo.pop()].output:
+                if out in float_producer:
+                    continue
+                for r in readers.get(out, []):
+                    if inserted(r) and r not in mine:
+                        mine.add(r)
+                        todo.append(r)
+        todo = list(mine)
+        while todo:  # backward: to the float input
+            for name in nodes[todo.pop()].input:
+                i = producer.get(name)
+                if i is not None and inserted(i) and i not in mine:
+                    mine.add(i)
+                    todo.append(i)
+        for i in mine - {start}:
+            parts[i].add(node.name)
+    return parts
+
+
 def attribute(
     model: onnx.ModelProto,
     size: int,
@@ -125,8 +180,13 @@ def attribute(
             return []
         return list(dict.fromkeys(("node", r.name) for r in readers))
 
-    owners: dict[int, list[Owner]] = {}
+    owners: dict[int, list[Owner]] = {
+        i: [("node", name) for name in sorted(names)]
+        for i, names in _dynamic_parts(nodes, float_nodes, float_producer, planned).items()
+    }
     for i, node in enumerate(nodes):
+        if i in owners:
+            continue
         if node.name in float_nodes:
             owners[i] = [float_owner(node.name)]
             if owners[i] == [REST]:  # neither planned nor a folded clamp

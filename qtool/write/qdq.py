@@ -17,7 +17,14 @@ from onnx import helper, numpy_helper
 from qtool.errors import ModelError
 from qtool.model import external_data
 from qtool.plan.layout import Layout
-from qtool.write.dynamic import dynamic_matmul_nodes, dynamic_quantize_node
+from qtool.write.dynamic import (
+    column_sums,
+    dynamic_matmul_nodes,
+    dynamic_quantize_node,
+    token_constants,
+    token_matmul_nodes,
+    token_quantize_nodes,
+)
 from qtool.write.int4 import (
     MS_DOMAIN,
     BlockwiseWeight,
@@ -166,8 +173,15 @@ def write_qdq_model(
         ]
         pairs_after.setdefault(slot.source, []).extend(nodes)
         pairs[(slot.tensor, slot.dtype)] = dequantized
+    per_token = layout.dynamic_ranges == "per-token" and bool(layout.dynamic)
     for tensor in sorted(layout.dynamic):  # quantized at run time: no scale to store
-        pairs_after.setdefault(tensor, []).append(dynamic_quantize_node(tensor))
+        quantize = token_quantize_nodes(tensor, opset) if per_token else None
+        pairs_after.setdefault(tensor, []).extend(quantize or [dynamic_quantize_node(tensor)])
+    if per_token:
+        new_initializers.extend(token_constants(opset))
+        for weight in sorted(set(dynamic_nodes.values())):
+            params = weights[weight]
+            new_initializers.append(column_sums(weight, params.values, params.zero_point_array()))
 
     folded = set(layout.folded_clamps)
     body: list[onnx.NodeProto] = []
@@ -196,8 +210,9 @@ def write_qdq_model(
             )
             fused.name = node.name  # the Plan's name, so the runtime truth finds it
             body.append(fused)
-        elif node.name in dynamic_nodes:  # the registry's int8/dynamic form
-            body.extend(dynamic_matmul_nodes(node, dynamic_nodes[node.name]))
+        elif node.name in dynamic_nodes:  # the registry's int8/dynamic forms
+            written = token_matmul_nodes if per_token else dynamic_matmul_nodes
+            body.extend(written(node, dynamic_nodes[node.name]))
         else:
             reads = {**rename, **_pair_reads(node, layout, pairs)}
             body.extend(_rewritten(node, reads, transposed, nbits, low_bit, dims, nbits_level))

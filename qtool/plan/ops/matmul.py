@@ -21,6 +21,7 @@ from qtool.plan.ops.registry import (
     INT4_WEIGHT_ONLY,
     INT8,
     INT8_DYNAMIC,
+    INT8_DYNAMIC_TOKEN,
     INT8_WEIGHT_ONLY,
     Entry,
     NodeSlots,
@@ -192,17 +193,41 @@ _DYNAMIC_WHEN = (
 )
 
 
-def _dynamic_entry(op: str) -> Entry:
-    """int8 weights, the input quantized at run time (ort-cpu only: TensorRT has no form)."""
+# Per-token ranges have no fused kernel in ORT: DynamicQuantizeMatMul and MatMulIntegerToFloat
+# take one input scale and zero point per tensor, and MatMulInteger's CPU kernel one zero point.
+# So the zero points are applied after the integer product (acc - z_row x column sums of B),
+# and ORT runs the MatMulInteger as written.
+_DYNAMIC_TOKEN_WHEN = (
+    "never fused: ORT's fused dynamic kernels take one input scale and zero point per tensor; "
+    "MatMulInteger runs as written, the per-token zero points applied after it"
+)
+
+
+def _dynamic_entry(op: str, per_token: bool = False) -> Entry:
+    """int8 weights, the input quantized at run time (ort-cpu only: TensorRT has no form): one
+    range per tensor, or per row of the input (`per_token`)."""
     bias = " -> Add(float bias)" if op == "Gemm" else ""
     stored = " (a transB weight stored [K, N])" if op == "Gemm" else ""
+    if per_token:
+        quantize = (
+            "per row of the input: ReduceMin/ReduceMax -> uint8 scale and zero point -> "
+            "QuantizeLinear's arithmetic"
+        )
+        after = (
+            " -> minus zero point x the weight's column sums (int32) -> Cast -> "
+            "Mul(row scale x weight scale)"
+        )
+        fused, when = ("MatMulInteger",), _DYNAMIC_TOKEN_WHEN
+    else:
+        quantize = "DynamicQuantizeLinear(uint8, range at run time)"
+        after = " -> Cast -> Mul(input scale x weight scale)"
+        fused, when = ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"), _DYNAMIC_WHEN
     return Entry(
-        f"DynamicQuantizeLinear(uint8, range at run time) -> MatMulInteger replacing the {op}, "
-        f"weight int8 per output channel{stored} -> Cast -> Mul(input scale x weight scale)"
-        f"{bias}",
+        f"{quantize} -> MatMulInteger replacing the {op}, weight int8 per output channel{stored}"
+        f"{after}{bias}",
         ("MatMulInteger",),
-        ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"),
-        when=_DYNAMIC_WHEN,
+        fused,
+        when=when,
     )
 
 
@@ -238,6 +263,7 @@ def _entries(
             "QuantizeLinear feeds one DequantizeLinear), or on ARM",
         ),
         ("ort-cpu", INT8_DYNAMIC): _dynamic_entry(op),
+        ("ort-cpu", INT8_DYNAMIC_TOKEN): _dynamic_entry(op, per_token=True),
         ("ort-cpu", INT8_WEIGHT_ONLY): weight_only_8,
         ("tensorrt", INT8_WEIGHT_ONLY): weight_only_8,
         ("ort-cpu", INT4_WEIGHT_ONLY): Entry(

@@ -34,9 +34,12 @@ from qtool.plan.slots import BiasSlot, WeightSlot
 # An op without weights is planned "int8" (or "fp8": its activations are). A node typed fp16 or
 # bf16 has no Q/DQ: its entry says what it is written as and what the runtime makes of it.
 # "int8/dynamic": int8 weights, activations quantized at run time (DynamicQuantizeLinear: the
-# range of each tensor as it comes, no calibration), ONNX Runtime's quantize_dynamic form.
+# range of each tensor as it comes, no calibration), ONNX Runtime's quantize_dynamic form;
+# "int8/dynamic-per-token": the same plan (NodePlan.activations "dynamic") written with one range
+# per row of the input (quantization.dynamic_ranges: per-token), `dynamic_key` picks it.
 INT8 = "int8/int8"
 INT8_DYNAMIC = "int8/dynamic"
+INT8_DYNAMIC_TOKEN = "int8/dynamic-per-token"
 INT8_WEIGHT_ONLY = "int8/float"
 INT4_WEIGHT_ONLY = "int4/float"
 INT4_INT8 = "int4/int8"
@@ -46,6 +49,8 @@ BF16 = "bf16/bf16"
 PRECISIONS: dict[str, str] = {
     INT8: "int8 weights and int8 activations (static ranges)",
     INT8_DYNAMIC: "int8 weights, uint8 activations quantized at run time (dynamic ranges)",
+    INT8_DYNAMIC_TOKEN: "int8 weights, uint8 activations quantized at run time, one range per "
+    "token (row)",
     INT8_WEIGHT_ONLY: "int8 weights, float activations (weight-only)",
     INT4_WEIGHT_ONLY: "4-bit weights, float activations (weight-only)",
     INT4_INT8: "4-bit weights, int8 activations",
@@ -64,8 +69,11 @@ class RegistryError(LookupError):
     """A lookup with no rule or entry behind it: a gap in qtool/plan/ops/ to fill, not to guess."""
 
 
-def precision_key(precision: str, activations: str) -> str:
-    """The registry key of a node planned at `precision` with `activations` (NodePlan fields)."""
+def precision_key(precision: str, activations: str, dynamic_ranges: str = "per-tensor") -> str:
+    """The registry key of a node planned at `precision` with `activations` (NodePlan fields);
+    `dynamic_ranges` (quantization.dynamic_ranges) tells the two forms of a dynamic node apart."""
+    if activations == "dynamic" and dynamic_ranges == "per-token":
+        activations = "dynamic-per-token"
     key = f"{precision}/{activations}"
     if key not in PRECISIONS:
         raise RegistryError(f"no precision {key!r} in the op registry (it has {list(PRECISIONS)})")

@@ -85,6 +85,7 @@ ORT_CPU = Target(
     precisions=(
         "int8/int8",
         "int8/dynamic",
+        "int8/dynamic-per-token",
         "int8/float",
         "int4/float",
         "int4/int8",
