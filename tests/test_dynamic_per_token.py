@@ -40,7 +40,7 @@ def _inputs(count: int, seed: int) -> np.ndarray:
     return x
 
 
-def _quantize(tmp_path: Path, ranges: str, cli) -> Path:
+def _quantize(tmp_path: Path, ranges: str, cli, **quantization) -> Path:
     out = tmp_path / f"out-{ranges}"
     recipe = {
         "model": {"onnx": "model.onnx"},
@@ -50,6 +50,7 @@ def _quantize(tmp_path: Path, ranges: str, cli) -> Path:
             "op_types": ["MatMul"],
             "activations": "dynamic",
             "dynamic_ranges": ranges,
+            **quantization,
         },
         "output": {"dir": str(out)},
     }
@@ -99,6 +100,26 @@ def test_per_token_model_is_its_arithmetic_and_beats_per_tensor(tmp_path, cli, o
     # per token the ordinary rows keep int8's ~40 dB; one range for all leaves them ~0 dB
     assert min(errors["token"]) > 30.0, errors
     assert max(errors["tensor"]) < 10.0, errors
+
+
+def test_per_token_with_uint8_weights_takes_their_zero_points_off(tmp_path, cli):
+    """On a CPU without VNNI, `saturation: uint8-weights` stores the weight as uint8 with zero
+    points (docs/runtime.md): the column sums are of (w - w_z), so the result is still the
+    arithmetic of the int8 reference."""
+    weight = np.random.default_rng(4).normal(size=(K, N)).astype(np.float32)
+    _model(tmp_path / "model.onnx", weight)
+    np.savez(tmp_path / "cal.npz", x=_inputs(2, seed=2)[:, 0])
+    written = _quantize(tmp_path, "per-token", cli, cpu="avx2", saturation="uint8-weights")
+    model = onnx.load(str(written))
+    stored = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert stored["w_quantized"].dtype == np.uint8 and np.any(stored["w_zero_point"] != 0)
+    session = ort.InferenceSession(str(written), providers=["CPUExecutionProvider"])
+    sample = _inputs(1, seed=5)[0]
+    got = session.run(None, {"x": sample})[0]
+    np.testing.assert_allclose(got, _reference(sample, model), rtol=1e-6, atol=1e-6)
+    exact = sample @ weight
+    noise = np.sum((got[:, 1:] - exact[:, 1:]) ** 2)
+    assert 10 * np.log10(np.sum(exact[:, 1:] ** 2) / noise) > 30.0
 
 
 def test_size_model_gives_the_row_quantization_to_its_node(tmp_path, cli):
