@@ -92,6 +92,17 @@ class Attribution:
 _PAIR_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 
+def _links(nodes: list[onnx.NodeProto]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Tensor -> the index of the node that writes it, and -> the indices of those that read it."""
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
+    readers: dict[str, list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                readers[name].append(i)
+    return producer, readers
+
+
 def _dynamic_parts(
     nodes: list[onnx.NodeProto],
     float_nodes: Mapping[str, onnx.NodeProto],
@@ -104,12 +115,7 @@ def _dynamic_parts(
     zero-point correction. Then backward from all of those through inserted nodes to the float
     input: the input's quantization (DynamicQuantizeLinear, or the per-token row
     quantization), shared by every dynamic node that reads it."""
-    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
-    readers: dict[str, list[int]] = defaultdict(list)
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            if name:
-                readers[name].append(i)
+    producer, readers = _links(nodes)
 
     def inserted(i: int) -> bool:
         return nodes[i].name not in float_nodes and nodes[i].op_type not in _PAIR_OPS
@@ -156,12 +162,7 @@ def attribute(
     float_producer = {out: node.name for node in float_model.graph.node for out in node.output}
     initializers = {init.name for init in graph.initializer}
     nodes = list(graph.node)
-    producer = {out: i for i, node in enumerate(nodes) for out in node.output if out}
-    consumers: dict[str, list[int]] = defaultdict(list)
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            if name:
-                consumers[name].append(i)
+    producer, consumers = _links(nodes)
 
     def float_owner(name: str) -> Owner:
         if name in planned:
