@@ -283,10 +283,11 @@ DEFAULT_ROWS = [
 
 def table(report: dict) -> str:
     """Markdown: perplexity and % over FP32, agreement, KL, size (MB and x of the user's FP32
-    file), quantize wall (CPU) seconds, peak RSS, decode latency ratio."""
+    file), quantize wall (CPU) seconds, peak RSS, decode time per token as a ratio of FP32's
+    (lower is faster: it was misread as a speed-up once)."""
     head = (
         "| model | row | perplexity | vs FP32 | top-1 agree | KL | size MB (x FP32 file) | "
-        "quantize s (CPU s) | peak RSS MB | decode x FP32 |"
+        "quantize s (CPU s) | peak RSS MB | decode time x FP32 |"
     )
     lines = [head, "|---" * 10 + "|"]
     for key, entry in report["models"].items():
