@@ -46,8 +46,9 @@ def int8_weight(weight: torch.Tensor) -> torch.Tensor:
     return (weight / scale).round().clamp(-128, 127) * scale
 
 
-def _per_tensor(x: torch.Tensor) -> torch.Tensor:
-    low, high = x.min().clamp_max(0), x.max().clamp_min(0)
+def _uint8(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """x on the uint8 grid of [min(low, 0), max(high, 0)] (DynamicQuantizeLinear's), dequantized."""
+    low, high = low.clamp_max(0), high.clamp_min(0)
     scale = ((high - low) / 255).clamp_min(1e-8)
     zero = (-low / scale).round()
     return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
@@ -58,18 +59,10 @@ def _token_symmetric(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).round().clamp(-128, 127) * scale
 
 
-def _token_asymmetric(x: torch.Tensor) -> torch.Tensor:
-    low = x.amin(dim=-1, keepdim=True).clamp_max(0)
-    high = x.amax(dim=-1, keepdim=True).clamp_min(0)
-    scale = ((high - low) / 255).clamp_min(1e-8)
-    zero = (-low / scale).round()
-    return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
-
-
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "tensor": _per_tensor,
+    "tensor": lambda x: _uint8(x, x.min(), x.max()),
     "token-sym": _token_symmetric,
-    "token-asym": _token_asymmetric,
+    "token-asym": lambda x: _uint8(x, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)),
 }
 
 

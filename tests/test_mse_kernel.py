@@ -40,21 +40,34 @@ def _weights(rows: int, columns: int, seed: int) -> np.ndarray:
     return x
 
 
-def _reference(x: np.ndarray, block_len: int, bits: int, symmetric: bool, grid) -> tuple:
+def _blocks(x: np.ndarray, block_len: int) -> np.ndarray:
+    """x [rows, columns] as [blocks, block_len, columns], the last block padded with zero rows."""
     rows, columns = x.shape
     n_blocks = -(-rows // block_len)
-    padded = np.zeros((n_blocks * block_len, columns), np.float32)
+    padded = np.zeros((n_blocks * block_len, columns), x.dtype)
     padded[:rows] = x
+    return padded.reshape(n_blocks, block_len, columns)
+
+
+def _reference(x: np.ndarray, block_len: int, bits: int, symmetric: bool, grid) -> tuple:
     values, scale, zero, best = int4._mse_search_numpy(
-        padded.reshape(n_blocks, block_len, columns), bits, symmetric, tuple(grid)
+        _blocks(x, block_len), bits, symmetric, tuple(grid)
     )
-    return values.reshape(-1, columns)[:rows], scale, zero, best
+    return values.reshape(-1, x.shape[1])[: x.shape[0]], scale, zero, best
 
 
-def _search(x: np.ndarray, block_len: int, bits: int, symmetric: bool, grid) -> k.BlockSearch:
+def _search(
+    x: np.ndarray, block_len: int, bits: int, symmetric: bool, grid, signed_scales: bool = False
+) -> k.BlockSearch:
     qmin, qmax = int4._qrange(bits, symmetric)
     return k.block_mse_search(
-        x, block_len, np.asarray(grid, np.float32), qmin=qmin, qmax=qmax, symmetric=symmetric
+        x,
+        block_len,
+        np.asarray(grid, np.float32),
+        qmin=qmin,
+        qmax=qmax,
+        symmetric=symmetric,
+        signed_scales=signed_scales,
     )
 
 
@@ -114,19 +127,12 @@ def _reference_signed(x: np.ndarray, block_len: int, bits: int, grid) -> tuple:
     blocks whose scale changed took the signed grid (its error strictly smaller, so never the
     same scale), index len(grid)."""
     values, scale, zero, best = _reference(x, block_len, bits, True, grid)
-    rows, columns = x.shape
-    n_blocks = -(-rows // block_len)
-    padded = np.zeros((n_blocks * block_len, columns), np.float32)
-    padded[:rows] = x
-    blocks = padded.reshape(n_blocks, block_len, columns)
-    padded_values = np.zeros((n_blocks * block_len, columns), values.dtype)
-    padded_values[:rows] = values
     signed_values, signed_scale = int4._prefer_signed(
-        blocks, padded_values.reshape(blocks.shape), scale, bits
+        _blocks(x, block_len), _blocks(values, block_len), scale, bits
     )
     took = signed_scale.view(np.uint32) != scale.view(np.uint32)
     best = np.where(took, np.int32(len(grid)), best)
-    return signed_values.reshape(-1, columns)[:rows], signed_scale, zero, best
+    return signed_values.reshape(-1, x.shape[1])[: x.shape[0]], signed_scale, zero, best
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -136,17 +142,7 @@ def test_each_isa_prefers_the_signed_grid_exactly_where_numpy_does(isa, bits, gr
     rows, columns, block = shape
     x = _weights(rows, columns, seed=rows + columns + bits)
     ref = _reference_signed(x, block, bits, grid)
-    qmin, qmax = int4._qrange(bits, True)
-    found = k.block_mse_search(
-        x,
-        block,
-        np.asarray(grid, np.float32),
-        qmin=qmin,
-        qmax=qmax,
-        symmetric=True,
-        signed_scales=True,
-    )
-    _assert_same(found, ref)
+    _assert_same(_search(x, block, bits, True, grid, signed_scales=True), ref)
     took = ref[3] == len(grid)
     if block > 1 and x.size > 1000:  # both grids win somewhere, and the signed ones are negative
         assert 0 < np.count_nonzero(took) < took.size

@@ -14,11 +14,10 @@ This module splits a model's bytes exactly that way, so the parts add up to the 
   tensors it produces, and a Relu / Clip folded into its output (present in the float model,
   gone from the quantized one), and a Cast the typing pass put beside it at a float-type
   boundary;
-- a node planned dynamic int8 owns the DynamicQuantizeLinear of its input (shared by the
-  nodes that read it) and the Cast and Muls the writer puts after its MatMulInteger; with
-  per-token ranges, every node the writer inserted between the float input and the output (the
-  row quantization, shared likewise, and the zero-point correction): the inserted nodes after
-  its MatMulInteger up to the float output, and the inserted nodes upstream of those;
+- a node planned dynamic int8 owns every node the writer inserted between its float input and
+  its output: the quantization of its input (a DynamicQuantizeLinear, or the per-token row
+  quantization; shared by the nodes that read it) and what follows its MatMulInteger (Cast,
+  Muls, the per-token zero-point correction);
 - a Shape and Concat the writer inserted to compute the shape a Reshape after a planned node
   restores (the tied table's GatherBlockQuantized) are that node's;
 - an activation slot (a tensor the layout quantizes) owns its QuantizeLinear, its
@@ -105,6 +104,8 @@ def _links(nodes: list[onnx.NodeProto]) -> tuple[dict[str, int], dict[str, list[
 
 def _dynamic_parts(
     nodes: list[onnx.NodeProto],
+    producer: Mapping[str, int],
+    readers: Mapping[str, list[int]],
     float_nodes: Mapping[str, onnx.NodeProto],
     float_producer: Mapping[str, str],
     planned: set[str],
@@ -115,7 +116,6 @@ def _dynamic_parts(
     zero-point correction. Then backward from all of those through inserted nodes to the float
     input: the input's quantization (DynamicQuantizeLinear, or the per-token row
     quantization), shared by every dynamic node that reads it."""
-    producer, readers = _links(nodes)
 
     def inserted(i: int) -> bool:
         return nodes[i].name not in float_nodes and nodes[i].op_type not in _PAIR_OPS
@@ -183,7 +183,9 @@ def attribute(
 
     owners: dict[int, list[Owner]] = {
         i: [("node", name) for name in sorted(names)]
-        for i, names in _dynamic_parts(nodes, float_nodes, float_producer, planned).items()
+        for i, names in _dynamic_parts(
+            nodes, producer, consumers, float_nodes, float_producer, planned
+        ).items()
     }
     for i, node in enumerate(nodes):
         if i in owners:
@@ -216,12 +218,6 @@ def attribute(
             if source.op_type == "QuantizeLinear":  # the pair's second half
                 owners[i] = owner_of(producer[data[0]], seen | {i})
                 return owners[i]
-        if node.op_type == "DynamicQuantizeLinear":  # dynamic int8: the nodes that read it
-            readers = {nodes[r].name for out in node.output for r in consumers.get(out, [])}
-            found = [float_owner(name) for name in sorted(readers) if name in float_nodes]
-            if found:
-                owners[i] = list(dict.fromkeys(found))
-                return owners[i]
         if not data:  # a weight's DequantizeLinear: it belongs to what reads its output
             found: list[Owner] = []
             for out in node.output:
@@ -242,12 +238,6 @@ def attribute(
             if found and all(kind == "node" for kind, _ in found):
                 owners[i] = found
                 return found
-        upstream_op = nodes[producer[data[0]]].op_type if data and data[0] in producer else ""
-        if node.op_type == "Cast" and upstream_op == "MatMulInteger":
-            # dynamic int8's Cast of the integer product: the planned node's, written under
-            # its name (write/dynamic.py)
-            owners[i] = owner_of(producer[data[0]], seen | {i})
-            return owners[i]
         if node.op_type == "Cast":
             # The typing pass's Cast at a float-type boundary (beside a node kept FP32, or
             # pinned FP32 next to FP16 ones): it serves the planned nodes on either side of it,

@@ -45,6 +45,18 @@ def dynamic_quantize_node(tensor: str) -> onnx.NodeProto:
     )
 
 
+def _product_and_bias(node: onnx.NodeProto) -> tuple[str, list[onnx.NodeProto]]:
+    """Where a dynamic form writes its float product, and the Add of a Gemm's own bias after it
+    (none for a MatMul or a Gemm without one): both forms end the same way."""
+    name, output = node.name, node.output[0]
+    if node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2]:
+        return output, []
+    product = f"{output}_before_bias"
+    return product, [
+        helper.make_node("Add", [product, node.input[2]], [output], name=f"{name}_bias_Add")
+    ]
+
+
 def dynamic_matmul_nodes(node: onnx.NodeProto, weight: str) -> list[onnx.NodeProto]:
     """`node` (a MatMul, or a Gemm with alpha = beta = 1 and transA = 0; the layout admits no
     other) in the dynamic form above. `weight` is the float weight's name: the writer stores
@@ -53,9 +65,8 @@ def dynamic_matmul_nodes(node: onnx.NodeProto, weight: str) -> list[onnx.NodePro
     quantized, scale, zero_point = dynamic_names(node.input[0])
     integer, as_float = f"{output}_int32", f"{output}_int32_float"
     scales = f"{output}_dynamic_scales"
-    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
-    product = f"{output}_before_bias" if bias else output
-    nodes = [
+    product, bias_add = _product_and_bias(node)
+    return [
         helper.make_node("Mul", [scale, f"{weight}_scale"], [scales], name=f"{name}_scales_Mul"),
         helper.make_node(
             "MatMulInteger",
@@ -65,10 +76,8 @@ def dynamic_matmul_nodes(node: onnx.NodeProto, weight: str) -> list[onnx.NodePro
         ),
         helper.make_node("Cast", [integer], [as_float], name=f"{name}_Cast", to=TensorProto.FLOAT),
         helper.make_node("Mul", [as_float, scales], [product], name=f"{name}_Mul"),
+        *bias_add,
     ]
-    if bias:
-        nodes.append(helper.make_node("Add", [product, bias], [output], name=f"{name}_bias_Add"))
-    return nodes
 
 
 # ---------------------------------------------------------------------- one range per token
@@ -130,9 +139,7 @@ def token_quantize_nodes(tensor: str, opset: int) -> list[onnx.NodeProto]:
     """The per-token quantization of `tensor`, shared by every dynamic node that reads it."""
     quantized, scale, zero_point = token_names(tensor)
     t = f"{tensor}_token"
-    nodes = [
-        _reduce("ReduceMin", tensor, f"{t}_min", opset),
-        _reduce("ReduceMax", tensor, f"{t}_max", opset),
+    arithmetic = [
         ("Min", [f"{t}_min", "qtool_token_zero"], f"{t}_low"),
         ("Max", [f"{t}_max", "qtool_token_zero"], f"{t}_high"),
         ("Sub", [f"{t}_high", f"{t}_low"], f"{t}_range"),
@@ -147,23 +154,20 @@ def token_quantize_nodes(tensor: str, opset: int) -> list[onnx.NodeProto]:
         ("Add", [f"{t}_rounded", f"{t}_zero"], f"{t}_shifted"),
         ("Clip", [f"{t}_shifted", "qtool_token_zero", "qtool_token_levels"], f"{t}_levels"),
     ]
-    made = [
-        n
-        if isinstance(n, onnx.NodeProto)
-        else helper.make_node(n[0], n[1], [n[2]], name=f"{n[2]}_{n[0]}")
-        for n in nodes
-    ]
-    made.append(
+    return [
+        _reduce("ReduceMin", tensor, f"{t}_min", opset),
+        _reduce("ReduceMax", tensor, f"{t}_max", opset),
+        *(
+            helper.make_node(op, inputs, [out], name=f"{out}_{op}")
+            for op, inputs, out in arithmetic
+        ),
         helper.make_node(
             "Cast", [f"{t}_levels"], [quantized], name=f"{t}_Cast", to=TensorProto.UINT8
-        )
-    )
-    made.append(
+        ),
         helper.make_node(
             "Cast", [f"{t}_zero"], [zero_point], name=f"{t}_zero_Cast", to=TensorProto.INT32
-        )
-    )
-    return made
+        ),
+    ]
 
 
 def column_sums(weight: str, values: np.ndarray, zero_point: np.ndarray) -> onnx.TensorProto:
@@ -177,12 +181,10 @@ def column_sums(weight: str, values: np.ndarray, zero_point: np.ndarray) -> onnx
 def token_matmul_nodes(node: onnx.NodeProto, weight: str) -> list[onnx.NodeProto]:
     """`node` (a MatMul, or a Gemm as `dynamic_matmul_nodes` takes it) on its input quantized
     per token; reads `{weight}_quantized`, `_scale`, `_zero_point` and `_column_sums`."""
-    name, output = node.name, node.output[0]
+    name, o = node.name, node.output[0]
     quantized, scale, zero_point = token_names(node.input[0])
-    o = output
-    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
-    product = f"{o}_before_bias" if bias else output
-    nodes = [
+    product, bias_add = _product_and_bias(node)
+    return [
         helper.make_node(
             "MatMulInteger",
             [quantized, f"{weight}_quantized", "", f"{weight}_zero_point"],
@@ -209,7 +211,5 @@ def token_matmul_nodes(node: onnx.NodeProto, weight: str) -> list[onnx.NodeProto
             name=f"{name}_Mul",
         ),
         helper.make_node("Mul", [f"{o}_weight_scaled", scale], [product], name=f"{name}_row_Mul"),
+        *bias_add,
     ]
-    if bias:
-        nodes.append(helper.make_node("Add", [product, bias], [output], name=f"{name}_bias_Add"))
-    return nodes

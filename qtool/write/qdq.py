@@ -175,8 +175,11 @@ def write_qdq_model(
         pairs[(slot.tensor, slot.dtype)] = dequantized
     per_token = layout.dynamic_ranges == "per-token" and bool(layout.dynamic)
     for tensor in sorted(layout.dynamic):  # quantized at run time: no scale to store
-        quantize = token_quantize_nodes(tensor, opset) if per_token else None
-        pairs_after.setdefault(tensor, []).extend(quantize or [dynamic_quantize_node(tensor)])
+        if per_token:
+            quantize = token_quantize_nodes(tensor, opset)
+        else:
+            quantize = [dynamic_quantize_node(tensor)]
+        pairs_after.setdefault(tensor, []).extend(quantize)
     if per_token:
         new_initializers.extend(token_constants(opset))
         for weight in sorted(set(dynamic_nodes.values())):

@@ -36,7 +36,7 @@ from qtool.plan.slots import BiasSlot, WeightSlot
 # "int8/dynamic": int8 weights, activations quantized at run time (DynamicQuantizeLinear: the
 # range of each tensor as it comes, no calibration), ONNX Runtime's quantize_dynamic form;
 # "int8/dynamic-per-token": the same plan (NodePlan.activations "dynamic") written with one range
-# per row of the input (quantization.dynamic_ranges: per-token), `dynamic_key` picks it.
+# per row of the input (quantization.dynamic_ranges: per-token), which `precision_key` picks.
 INT8 = "int8/int8"
 INT8_DYNAMIC = "int8/dynamic"
 INT8_DYNAMIC_TOKEN = "int8/dynamic-per-token"
