@@ -325,8 +325,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--heldout",
         type=int,
         default=16,
-        help="held-out fortunes windows scored (4 windows moved int4-mixed-llm's SmolLM2 figure "
-        "from +9.3%% on 16 to +6.0%%: fewer are for quick looks, not for reporting)",
+        help="held-out fortunes windows scored (int4-mixed-llm on SmolLM2 read +6.0%% on 4 "
+        "windows and +9.3%% on 16: fewer are for quick looks, not for reporting)",
     )
     p.add_argument(
         "--qtool-calibration",
