@@ -12,9 +12,9 @@ Rows (ROWS; `--rows` picks some):
 * `nncf-int4-sym`, `nncf-int4-asym`, `nncf-int8`: nncf.compress_weights in NNCF's own venv
   (benchmarks/peer_runners/run_nncf_wc.py; the venv is benchmarks/peers.py's `nncf` one).
 * `nncf-int4-awq`: NNCF's data-aware 4-bit (symmetric: its asymmetric files do not load in
-  ONNX Runtime 1.31): AWQ and scale estimation on the windows qtool calibrates on, ratio 0.8
-  (the rest INT8 per channel), ranked by NNCF's own sensitivity metric: the peer of qtool's
-  `int4-mixed-llm`.
+  ONNX Runtime 1.31): AWQ and scale estimation on the windows qtool calibrates on, at
+  `int4-mixed-llm`'s ratio (the rest INT8 per channel), ranked by NNCF's own sensitivity
+  metric: the peer of qtool's `int4-mixed-llm`.
 
 Every quantizer runs in its own process through benchmarks/_measure.run_measured: wall seconds,
 CPU seconds (user + system, its threads and children) and peak RSS (the kernel's ru_maxrss of
@@ -217,9 +217,20 @@ def _nncf_command(mode: str, data_aware: bool = False) -> Callable[[RowContext],
     return command
 
 
+def _preset_ratio(preset: str = "int4-mixed-llm") -> float:
+    """The share of the 4-bit weights a preset keeps at 4 bits (its int8_fallback.ratio)."""
+    import yaml
+
+    from qtool.config.presets import FOLDER
+
+    recipe = yaml.safe_load((FOLDER / f"{preset}.yaml").read_text())
+    return float(recipe["quantization"]["algorithms"]["int8_fallback"]["ratio"])
+
+
 # NNCF's data-aware row: the share of the 4-bit layers kept at 4 bits (the rest INT8_ASYM per
-# channel, its backup mode), as qtool's `int4-mixed-llm` keeps 0.8 of its 4-bit weights.
-NNCF_RATIO = 0.8
+# channel, its backup mode), read from qtool's `int4-mixed-llm` so the two rows spend the same
+# share of their weights on 8 bits.
+NNCF_RATIO = _preset_ratio()
 
 ROWS: dict[str, Row] = {}
 
@@ -302,7 +313,7 @@ for _row in (
     ),
     Row(
         "nncf-int4-awq",
-        "NNCF INT4 sym, data-aware (AWQ + scale estimation, ratio 0.8)",
+        f"NNCF INT4 sym, data-aware (AWQ + scale estimation, ratio {NNCF_RATIO:g})",
         "nncf",
         {"mode": "INT4_SYM", "group": BLOCK, "ratio": NNCF_RATIO, "awq": True, "se": True},
         # symmetric: NNCF 3.4's asymmetric MatMulNBits files do not load in ONNX Runtime 1.31
@@ -635,7 +646,8 @@ def prepare(key: str, work: Path, args: argparse.Namespace, log: Callable[[str],
         )
     bos = llm_models.bos_for(tokenizer, key)
     counts = {"calibration": args.calibration, "tuning": args.tuning, "heldout": args.heldout}
-    sets = llm_text.window_sets(tokenizer, args.window, counts, bos)
+    draws = {"heldout": args.heldout_draw}
+    sets = llm_text.window_sets(tokenizer, args.window, counts, bos, draws=draws)
     windows = {}
     for name, entry in sets.items():
         _save_windows(work / f"{name}.npz", entry)
@@ -857,6 +869,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibration", type=int, default=128, help="calibration windows saved")
     p.add_argument("--tuning", type=int, default=32, help="tuning windows saved")
     p.add_argument("--heldout", type=int, default=32, help="held-out windows scored")
+    p.add_argument(
+        "--heldout-draw",
+        type=int,
+        default=0,
+        help="which draw of held-out windows (k > 0: windows none of draws 0..k-1 holds; "
+        "llm_text.pick_windows)",
+    )
     p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (scoring)")
     p.add_argument("--prompt", type=int, default=128, help="latency: prompt tokens (prefill)")
     p.add_argument("--decode", type=int, default=32, help="latency: decoded tokens per round")

@@ -163,14 +163,33 @@ def text_sets(seed: int = SEED) -> dict[str, dict[str, Any]]:
     return result
 
 
-def pick_windows(windows: np.ndarray, count: int | None, seed: int = SEED) -> np.ndarray:
+def pick_windows(
+    windows: np.ndarray, count: int | None, seed: int = SEED, draw: int = 0
+) -> np.ndarray:
     """`count` of the windows, chosen with `seed` and kept in stream order (all when None or
-    when there are fewer). ValueError when the text gives no window at all."""
+    when there are fewer). ValueError when the text gives no window at all.
+
+    `draw` k > 0 picks `count` windows none of the draws before it picked (seed + k among the
+    rest): a fresh held-out sample once draw 0 has been looked at so often that choices were
+    made with it in view, so the figures a README reports come from windows no choice has seen.
+    ValueError when the text has too few windows left for that draw."""
     if len(windows) == 0:
         raise ValueError("the text is shorter than one window")
-    if count is None or count >= len(windows):
+    if draw < 0:
+        raise ValueError(f"draw must be >= 0, got {draw}")
+    if count is None or (draw == 0 and count >= len(windows)):
+        if draw:
+            raise ValueError("a draw other than 0 needs a window count")
         return windows
-    chosen = np.sort(np.random.default_rng(seed).choice(len(windows), count, replace=False))
+    left = np.arange(len(windows))
+    for k in range(draw + 1):
+        if count > len(left):
+            raise ValueError(
+                f"draw {draw} needs {count} windows from {len(windows) - k * count} left "
+                f"after {k} draws of {count} (the text gives {len(windows)})"
+            )
+        chosen = np.sort(np.random.default_rng(seed + k).choice(left, count, replace=False))
+        left = np.setdiff1d(left, chosen)
     return windows[chosen]
 
 
@@ -181,16 +200,19 @@ def window_sets(
     bos: int | None = None,
     seed: int = SEED,
     sets: dict[str, dict[str, Any]] | None = None,
+    draws: dict[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Token windows of each set named in `counts` ({set: how many windows, None = all}) with the
     model's own tokenizer: {set: {"windows": int64 [n, length], "available": how many the text
-    gave, plus the set's source, part, sha256}}."""
+    gave, "draw": which pick_windows draw, plus the set's source, part, sha256}}. `draws`
+    ({set: k}, 0 when absent) names a later draw of a set (pick_windows)."""
     sets = sets or text_sets(seed)
     result: dict[str, dict[str, Any]] = {}
     for name, count in counts.items():
         info = sets[name]
         windows = split_windows(tokenize(tokenizer, info["documents"]), length, bos)
-        picked = pick_windows(windows, count, seed)
+        draw = (draws or {}).get(name, 0)
+        picked = pick_windows(windows, count, seed, draw)
         meta = {k: v for k, v in info.items() if k != "documents"}
-        result[name] = {**meta, "windows": picked, "available": len(windows)}
+        result[name] = {**meta, "windows": picked, "available": len(windows), "draw": draw}
     return result

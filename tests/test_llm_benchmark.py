@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from benchmarks import llm_models, llm_peers, llm_text
@@ -40,6 +41,22 @@ def test_split_documents_is_disjoint_and_seeded():
     windows = np.arange(40).reshape(10, 4)
     picked = llm_text.pick_windows(windows, 3, seed=1)
     assert len(picked) == 3 and np.all(np.diff(picked[:, 0]) > 0)  # kept in stream order
+
+
+def test_later_draws_of_windows_are_disjoint_and_leave_draw_0_unchanged():
+    windows = np.arange(200).reshape(50, 4)
+    first = llm_text.pick_windows(windows, 8, seed=5)
+    # draw 0 is the pick every earlier run made: a plain seeded choice among all the windows
+    plain = np.sort(np.random.default_rng(5).choice(50, 8, replace=False))
+    assert first[:, 0].tolist() == (plain * 4).tolist()
+    second = llm_text.pick_windows(windows, 8, seed=5, draw=1)
+    third = llm_text.pick_windows(windows, 8, seed=5, draw=2)
+    starts = [set(d[:, 0].tolist()) for d in (first, second, third)]
+    assert all(len(s) == 8 for s in starts)
+    assert not (starts[0] & starts[1] or starts[0] & starts[2] or starts[1] & starts[2])
+    assert np.array_equal(second, llm_text.pick_windows(windows, 8, seed=5, draw=1))
+    with pytest.raises(ValueError, match="draw 6 needs 8 windows"):
+        llm_text.pick_windows(windows, 8, seed=5, draw=6)
 
 
 def _bigram(path: Path, table: np.ndarray) -> Path:
@@ -189,3 +206,12 @@ def test_kv_cache_export_matches_torch(tiny_llama, tmp_path, exporter):
     assert summary["outputs"]["present.0.key"][3] == 8  # head size
     assert summary["lm_head"]["tied_to_embedding_gather"]
     assert summary["constant_weight_matmuls"] == 2 * 7 + 1  # q k v o gate up down, lm_head
+
+
+def test_nncf_data_aware_row_spends_the_same_share_on_8_bits_as_the_preset():
+    from qtool.config import presets
+
+    preset = yaml.safe_load((presets.FOLDER / "int4-mixed-llm.yaml").read_text())
+    ratio = preset["quantization"]["algorithms"]["int8_fallback"]["ratio"]
+    row = llm_peers.ROWS["nncf-int4-awq"]
+    assert row.settings["ratio"] == ratio and f"ratio {ratio:g}" in row.title
