@@ -286,11 +286,13 @@ DEFAULT_ROWS = [
 
 
 def table(report: dict) -> str:
-    """Markdown: perplexity and % over FP32, agreement, KL, size (MB and x of the user's FP32
-    file), quantize wall (CPU) seconds, peak RSS, decode time per token as a ratio of FP32's
-    (lower is faster: it was misread as a speed-up once)."""
+    """Markdown: perplexity and % over FP32 (with its 90% interval over the windows,
+    llm_peers.ratio_interval), agreement, KL, size (MB and x of the user's FP32 file), quantize
+    wall (CPU) seconds, peak RSS, decode time per token as a ratio of FP32's (lower is faster:
+    it was misread as a speed-up once)."""
     head = (
-        "| model | row | perplexity | vs FP32 | top-1 agree | KL | size MB (x FP32 file) | "
+        "| model | row | perplexity | vs FP32 (90% over windows) | top-1 agree | KL | "
+        "size MB (x FP32 file) | "
         "quantize s (CPU s) | peak RSS MB | decode time x FP32 |"
     )
     lines = [head, "|---" * 10 + "|"]
@@ -304,6 +306,9 @@ def table(report: dict) -> str:
                 lines.append(f"| {key} | {title} | {str(row.get('status'))[:160]} |" + " |" * 7)
                 continue
             over = f"{100 * (row['perplexity'] / base_ppl - 1):+.1f}%" if base_ppl else "-"
+            if "vs_fp32_interval_90" in row:
+                low, high = (100 * (r - 1) for r in row["vs_fp32_interval_90"])
+                over += f" ({low:+.1f} to {high:+.1f})"
             ratio = f" ({row['size_bytes'] / base_size:.3f}x)" if base_size else ""
             quant = f"{row['wall_s']:.0f} ({row['cpu_s']:.0f})" if "wall_s" in row else "-"
             rss = f"{row['peak_rss_mb']:.0f}" if "peak_rss_mb" in row else "-"

@@ -133,6 +133,32 @@ def test_perplexity_agreement_and_kl_on_a_bigram_lm(tmp_path):
     assert rows["noisy"]["kl"] == pytest.approx(kl, rel=1e-6)
     assert rows["noisy"]["size_bytes"] == noisy.stat().st_size
     assert rows["noisy"]["latency"]["decode_tokens"] == 2
+    # per window: the sums that the interval resamples add up to the totals
+    window_nll = -np.array(
+        [ref[8 * w + np.arange(8), labels[8 * w : 8 * w + 8]].sum() for w in range(3)]
+    )
+    assert rows["fp32"]["window_nll"] == pytest.approx(window_nll.tolist(), rel=1e-6)
+    assert rows["noisy"]["window_tokens"] == [8, 8, 8]
+    low, high = rows["noisy"]["vs_fp32_interval_90"]
+    assert low <= rows["noisy"]["perplexity"] / rows["fp32"]["perplexity"] <= high
+
+
+def test_ratio_interval_is_paired_and_narrows_with_agreeing_windows():
+    rng = np.random.default_rng(2)
+    tokens = np.full(16, 100)
+    base = rng.uniform(200, 600, 16)  # windows of very different difficulty
+    # the same model: the ratio is exactly 1 in every resample
+    assert llm_peers.ratio_interval(base, base, tokens) == (1.0, 1.0)
+    # a model worse by 0.05 nats a token on every window: paired, every resample says exp(0.05)
+    low, high = llm_peers.ratio_interval(base + 5.0, base, tokens)
+    assert low == pytest.approx(np.exp(0.05)) and high == pytest.approx(np.exp(0.05))
+    # the same mean loss, spread unevenly over the windows: an interval around it, not a point
+    uneven = base + rng.uniform(0.0, 10.0, 16)
+    low, high = llm_peers.ratio_interval(uneven, base, tokens)
+    point = np.exp((uneven.sum() - base.sum()) / tokens.sum())
+    assert low < point < high and high - low > 0.005
+    with pytest.raises(ValueError, match="one NLL and one token count per window"):
+        llm_peers.ratio_interval(base[:3], base, tokens)
 
 
 def test_store_tied_once_replaces_a_transposed_copy():
