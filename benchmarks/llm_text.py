@@ -177,15 +177,15 @@ def pick_windows(
         raise ValueError("the text is shorter than one window")
     if draw < 0:
         raise ValueError(f"draw must be >= 0, got {draw}")
+    if count is None and draw:
+        raise ValueError("a draw other than 0 needs a window count")
     if count is None or (draw == 0 and count >= len(windows)):
-        if draw:
-            raise ValueError("a draw other than 0 needs a window count")
         return windows
     left = np.arange(len(windows))
     for k in range(draw + 1):
         if count > len(left):
             raise ValueError(
-                f"draw {draw} needs {count} windows from {len(windows) - k * count} left "
+                f"draw {draw} needs {count} windows from {len(left)} left "
                 f"after {k} draws of {count} (the text gives {len(windows)})"
             )
         chosen = np.sort(np.random.default_rng(seed + k).choice(left, count, replace=False))
