@@ -24,9 +24,10 @@ measured like every peer (wall and CPU seconds, peak RSS):
 * `qtool-int4-awq`: the same with AWQ (activation-aware input-channel scales);
 * `qtool-int4-gptq`: the same with GPTQ (activation order), no AWQ;
 * `qtool-int4`: the `int4-llm` preset: AWQ + scale estimation + GPTQ with activation order;
-* `qtool-int4-mixed`: the `int4-mixed-llm` preset: `int4-llm` with the 30% of the 4-bit
+* `qtool-int4-mixed`: the `int4-mixed-llm` preset: `int4-llm` with the half of the 4-bit
   weights (by parameters) whose rounding costs the most output error per parameter kept at
-  8 bits (quantization.algorithms.int8_fallback, ranked on the calibration Hessians);
+  8 bits (quantization.algorithms.int8_fallback, ranked on the calibration Hessians) and the
+  embedding table in int8 blocks of the whole row;
 * `qtool-auto`: `qtool quantize --auto` on the `int4-llm` preset, candidates int4 / int8 / float
   per MatMul, under a perplexity budget (`--auto-budget`, percent over FP32) measured on the
   *tuning* windows (another part of the calibration source than calibration's own windows).
@@ -35,9 +36,9 @@ Data discipline: qtool calibrates on windows of the `python-docstrings` calibrat
 windows of 512 tokens by default, `--qtool-calibration`), --auto
 tunes on its `tuning` part, and every reported figure comes from the `fortunes` test part
 (benchmarks/llm_text.py): another source, never seen by calibration or tuning. Held-out windows
-come in draws (`--heldout-draw`): draw 0's 16 windows were scored so often that a preset
-setting (int4-mixed-llm's fallback share) was chosen on them, so the default is draw 1, 16
-windows draw 0 does not hold.
+come in draws (`--heldout-draw`): int4-mixed-llm's fallback share was chosen on draw 0's 16
+windows and re-chosen on draws 0 and 1 pooled, so the default is draw 2 (llm_text.REPORT_DRAW),
+16 windows neither holds.
 
     python -m benchmarks.llm --models smollm2-135m --heldout 8
     python -m benchmarks.llm --models smollm2-135m --rows fp32,ort-rtn-sym,qtool-int4 --heldout 4
@@ -57,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import llm_peers
+from benchmarks import llm_peers, llm_text
 from benchmarks.llm_peers import REPO, RESULTS, Row, RowContext, register_row
 
 # --------------------------------------------------------------------------- qtool's rows
@@ -332,16 +333,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--heldout",
         type=int,
-        default=16,
+        default=llm_text.HELDOUT_WINDOWS,
         help="held-out fortunes windows scored (int4-mixed-llm on SmolLM2 read +6.0%% on 4 "
         "windows and +9.3%% on 16: fewer are for quick looks, not for reporting)",
     )
     p.add_argument(
         "--heldout-draw",
         type=int,
-        default=1,
-        help="which draw of held-out windows (default 1: windows draw 0 does not hold; draw 0's "
-        "informed int4-mixed-llm's fallback share, so it no longer reports)",
+        default=llm_text.REPORT_DRAW,
+        help=f"which draw of held-out windows (default {llm_text.REPORT_DRAW}: windows no earlier "
+        "draw holds; draws 0 and 1 informed int4-mixed-llm's fallback share, so they no longer "
+        "report)",
     )
     p.add_argument(
         "--qtool-calibration",

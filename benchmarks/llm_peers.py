@@ -892,6 +892,8 @@ def _csv(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from benchmarks import llm_text
+
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.llm_peers",
         description=__doc__,
@@ -909,11 +911,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=WINDOW, help="tokens per window")
     p.add_argument("--calibration", type=int, default=128, help="calibration windows saved")
     p.add_argument("--tuning", type=int, default=32, help="tuning windows saved")
-    p.add_argument("--heldout", type=int, default=32, help="held-out windows scored")
+    p.add_argument(
+        "--heldout",
+        type=int,
+        default=llm_text.HELDOUT_WINDOWS,
+        help="held-out windows scored (draws are disjoint only among picks of one count)",
+    )
     p.add_argument(
         "--heldout-draw",
         type=int,
-        default=0,
+        default=llm_text.REPORT_DRAW,
         help="which draw of held-out windows (k > 0: windows none of draws 0..k-1 holds; "
         "llm_text.pick_windows)",
     )

@@ -90,7 +90,7 @@ class Int8FallbackParams:
     by parameter count, that stay 4-bit (NNCF's `ratio`). The default is `int4-mixed-llm`'s,
     so `int8_fallback: {}` gives what the preset measured."""
 
-    ratio: float = 0.7
+    ratio: float = 0.5
 
 
 @dataclass(frozen=True)
