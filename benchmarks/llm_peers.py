@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import llm_models
+from benchmarks import llm_models, llm_text
 from benchmarks._measure import run_measured
 
 REPO = Path(__file__).resolve().parent.parent
@@ -662,8 +662,6 @@ def prepare(key: str, work: Path, args: argparse.Namespace, log: Callable[[str],
     """Export the FP32 decoder (both exporters, cached by export.json) and save the windows:
     {"fp32": path of the exporter the rows use, "exports": {exporter: info + graph summary},
     "windows": {set: meta}, "info": model_info}."""
-    from benchmarks import llm_text
-
     model, tokenizer = llm_models.load_model(key, args.cache)
     info = llm_models.model_info(model)
     exports: dict[str, dict] = {}
@@ -892,8 +890,6 @@ def _csv(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from benchmarks import llm_text
-
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.llm_peers",
         description=__doc__,
